@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Sets up, builds and runs every tierflow test:
+#   1. the Release build (CUDA sources compiled for sm_90 when nvcc exists) and its tests;
+#   2. the same tests built with AddressSanitizer + UndefinedBehaviorSanitizer.
+# Fails on the first failure.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$here"
+
+"$here/scripts/setup.sh"
+
+echo "== Release build and tests"
+"$here/scripts/build.sh" build
+ctest --test-dir build --output-on-failure -j "$(nproc)"
+
+echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and tests"
+"$here/scripts/build.sh" build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DTIERFLOW_SANITIZE=address,undefined -DTIERFLOW_CUDA=OFF -DTIERFLOW_BUILD_BENCH=OFF
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan --output-on-failure -j "$(nproc)"

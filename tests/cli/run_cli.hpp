@@ -1,0 +1,81 @@
+// Runs the tierflow CLI as a user would and captures what it printed.
+#pragma once
+
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace tierflow::testing {
+
+struct cli_result {
+  int exit_code = -1;  // -1: killed by a signal
+  std::string out;
+  std::string err;
+};
+
+inline std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Runs TIERFLOW_CLI with `args`; stdout and stderr go through temporary files
+// so that large outputs cannot dead-lock a pipe.
+inline cli_result run_cli(const std::vector<std::string>& args) {
+  char out_name[] = "/tmp/tierflow-cli-out-XXXXXX";
+  char err_name[] = "/tmp/tierflow-cli-err-XXXXXX";
+  const int out_fd = ::mkstemp(out_name);
+  const int err_fd = ::mkstemp(err_name);
+  cli_result r;
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(out_fd, STDOUT_FILENO);
+    ::dup2(err_fd, STDERR_FILENO);
+    const int null_fd = ::open("/dev/null", O_RDONLY);
+    ::dup2(null_fd, STDIN_FILENO);
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>(TIERFLOW_CLI));
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv(TIERFLOW_CLI, argv.data());
+    ::_exit(127);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  ::close(out_fd);
+  ::close(err_fd);
+  r.out = slurp(out_name);
+  r.err = slurp(err_name);
+  ::unlink(out_name);
+  ::unlink(err_name);
+  return r;
+}
+
+// A fresh directory under `parent`, removed with its contents on destruction.
+class temp_dir {
+ public:
+  explicit temp_dir(const std::string& parent = "/tmp") {
+    std::string tmpl = parent + "/tierflow-test-XXXXXX";
+    if (::mkdtemp(tmpl.data()) != nullptr) path_ = tmpl;
+  }
+  ~temp_dir() {
+    if (!path_.empty()) std::system(("rm -rf '" + path_ + "'").c_str());
+  }
+  temp_dir(const temp_dir&) = delete;
+  temp_dir& operator=(const temp_dir&) = delete;
+  const std::string& path() const { return path_; }
+  bool ok() const { return !path_.empty(); }
+
+ private:
+  std::string path_;
+};
+
+}  // namespace tierflow::testing
