@@ -1,0 +1,51 @@
+// Model shapes for `tierflow bench offload`: the weights of a transformer as
+// the optimizer sees them, from a preset name or a custom
+// "LAYERSxHIDDENxVOCAB" spec, and the training FLOPs of a step.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tierflow::bench {
+
+// One parameter tensor. 2-D weights are rows × cols (ZenFlow scores their
+// columns); 1-D ones (norms, biases) have cols == 1 and are always updated
+// in full.
+struct weight {
+  std::string name;
+  std::uint64_t rows = 0;
+  std::uint64_t cols = 1;
+  bool matrix() const { return cols > 1; }
+  std::uint64_t elements() const { return rows * cols; }
+};
+
+struct model_shape {
+  std::string name;
+  std::uint64_t hidden = 0;
+  std::uint64_t vocab = 0;
+  std::vector<weight> embedding;            // token (and position) embeddings
+  std::vector<std::vector<weight>> layers;  // one list per transformer block
+  std::vector<weight> head;                 // final norm, output projection if untied
+  bool tied_head = false;                   // the output projection reuses embedding[0]
+
+  std::uint64_t parameters() const;
+  // Parameters of the transformer blocks and head, the ones that do matmuls
+  // per token (embedding lookups are nearly free).
+  std::uint64_t compute_parameters() const;
+  // Training FLOPs of one step over `tokens` tokens: 6 · compute_parameters ·
+  // tokens (2 forward, 4 backward), the usual estimate without attention's
+  // sequence-length term.
+  double step_flops(std::uint64_t tokens) const;
+};
+
+// The preset names, for help texts and errors.
+const std::vector<std::string>& model_presets();
+
+// A preset (gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, llama-1b, llama-7b,
+// llama-13b) or a custom GPT-2-style "LxHxV" spec such as "24x1024x50257".
+// Throws user_error naming the spec and the presets otherwise.
+model_shape make_model(std::string_view spec);
+
+}  // namespace tierflow::bench
