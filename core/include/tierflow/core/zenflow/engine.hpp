@@ -1,0 +1,249 @@
+// The ZenFlow engine: what happens after each backward pass.
+//
+// Every step (after full_warm_up_rounds full steps):
+//   1. at a selection refresh, score the columns of every 2-D gradient on the
+//      device and pick the top topk_ratio of each weight;
+//   2. update the selected columns (and every 1-D weight) on the device,
+//      with their master values and optimizer state kept there;
+//   3. bring the gradient down and add its host-owned columns into the
+//      accumulation buffer of the current window.
+// Every update window (update_interval steps, or "auto"):
+//   4. wait for the previous window's CPU step, upload its result (the device
+//      keeps its own newer values for the selected columns);
+//   5. start the CPU step over this window's accumulated gradient, on the
+//      optimizer threads, overlapped with the next window's steps
+//      (overlap_step), or run it at once (no overlap).
+// Staleness is bounded by one window: the host-owned columns the device
+// computes with are at most one window behind (asserted at every upload).
+//
+// Column ownership: every column of every weight is owned by exactly one side
+// at every moment. At a refresh the columns changing hands take their master
+// value and optimizer state with them; columns entering the device first get
+// the gradient they accumulated in the current window applied on the host, so
+// no gradient is lost and none is applied twice. With update_interval 1 and
+// no overlap this makes ZenFlow compute exactly what the plain optimizer
+// computes, whatever the selection.
+//
+// Optimizers whose unit is a whole matrix (Muon) select whole matrices: the
+// top topk_ratio of the 2-D weights by gradient mass are updated on the
+// device every step, the others asynchronously on the host.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tierflow/core/zenflow/config.hpp"
+#include "tierflow/core/zenflow/selection.hpp"
+
+namespace tierflow::zenflow {
+
+// One parameter. A 2-D weight is stored transposed, column after column:
+// column c is elements [c·rows, (c+1)·rows) of its flat buffer. A 1-D weight
+// has cols == 1.
+struct weight_shape {
+  std::string name;
+  std::uint64_t rows = 0;
+  std::uint64_t cols = 1;
+  bool matrix() const noexcept { return cols > 1; }
+  std::uint64_t elements() const noexcept { return rows * cols; }
+};
+
+// Columns [begin, end) of one weight.
+struct column_run {
+  std::uint32_t begin = 0;
+  std::uint32_t end = 0;
+  friend bool operator==(const column_run&, const column_run&) = default;
+};
+
+// The ascending runs of columns that `split` gives to the host.
+std::vector<column_run> host_runs(const column_split& split);
+
+enum class side { device, host };
+enum class granularity { columns, matrix };
+
+// One optimizer step over contiguous columns of one weight. Spans hold
+// `columns · rows` elements: fp32 master values, the gradient (mean over the
+// window on the host, this step's on the device) and the states.
+struct update_args {
+  const weight_shape* weight = nullptr;
+  std::size_t weight_index = 0;
+  std::uint32_t first_column = 0;
+  std::uint32_t columns = 0;
+  std::span<float> param;
+  std::span<const float> grad;
+  std::span<float> state0;  // Adam: exp_avg; Muon: momentum buffer
+  std::span<float> state1;  // Adam: exp_avg_sq; empty for Muon
+  std::int64_t step = 1;    // this side's 1-based step count for the columns
+  zenflow::side where = side::host;
+};
+
+// The optimizer arithmetic, supplied by the program (optim/ implements it);
+// core only schedules it. apply() is called from one thread at a time per
+// side; it may parallelise inside.
+class update_rule {
+ public:
+  virtual ~update_rule() = default;
+  virtual granularity unit() const noexcept = 0;
+  virtual std::size_t state_count() const noexcept = 0;  // 2 for Adam, 1 for Muon
+  virtual void apply(const update_args& args) = 0;
+};
+
+// Where the host's fp32 master values and optimizer state live (pinned
+// memory, or blocks streamed from NVMe through the store). The engine asks
+// for one weight's buffers at a time.
+struct host_buffers {
+  std::span<float> param;
+  std::span<float> state0;
+  std::span<float> state1;
+};
+
+class host_state {
+ public:
+  virtual ~host_state() = default;
+  // Runs `fn(index, buffers)` for each weight index in `weights`, in order,
+  // with the weight's buffers; the buffers are written back after fn
+  // returns. May stream (read ahead, write behind).
+  virtual void for_each(std::span<const std::size_t> weights,
+                        const std::function<void(std::size_t, const host_buffers&)>& fn) = 0;
+};
+
+// The device side of ZenFlow: the device's copy of the parameters and the
+// gradients, the selected columns' master values and state. Implemented over
+// CUDA, over host memory (the stand-in), or as a simulation. The engine calls
+// stage_upload() from its CPU-step thread and everything else from the
+// trainer's thread, so an implementation keeps the staging area apart from
+// the compute copy.
+class device_side {
+ public:
+  virtual ~device_side() = default;
+  // The importance of each column of this step's gradient of weight `w`.
+  virtual void column_importance(std::size_t w, importance_norm norm, std::span<float> out) = 0;
+  // Updates the device-owned columns of `w` (all of a 1-D weight) with this
+  // step's gradient, at step `step`, and refreshes their compute copy.
+  virtual void update_owned(std::size_t w, std::int64_t step) = 0;
+  // This step's gradient of `w` in host memory (fp32, the whole weight),
+  // brought down device → host; valid until the next call for `w`.
+  virtual std::span<const float> download_gradient(std::size_t w) = 0;
+  // Sends the new master values of the host-owned `runs` of `w` (host memory
+  // laid out as the whole weight) up to a staging area on the device, host →
+  // device, while the device keeps computing with its current copy.
+  virtual void stage_upload(std::size_t w, std::span<const column_run> runs, std::span<const float> master) = 0;
+  // Makes the staged `runs` of `w` the compute copy's (device-local, quick).
+  virtual void apply_staged(std::size_t w, std::span<const column_run> runs) = 0;
+  // Makes `selected` the device-owned columns of `w`. For each column of
+  // change.entering, takes its master value and states from `host`; for each
+  // of change.leaving, writes them into `host`.
+  virtual void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const selection_change& change,
+                         const host_buffers& host) = 0;
+};
+
+struct step_report {
+  std::uint64_t step = 0;
+  bool warm_up = false;
+  bool refreshed = false;       // the selection changed after this step
+  bool update_boundary = false;
+  bool cpu_step_started = false;
+  std::chrono::nanoseconds wait_for_cpu{0};  // the device waited for the previous CPU step (the stall)
+  std::chrono::nanoseconds host_work{0};     // accumulation, uploads, hand-overs on the trainer thread
+};
+
+struct engine_stats {
+  std::uint64_t steps = 0;
+  std::uint64_t cpu_steps = 0;
+  std::uint64_t refreshes = 0;
+  std::chrono::nanoseconds wait_for_cpu{0};
+  std::chrono::nanoseconds cpu_step_time{0};  // summed duration of the CPU steps
+};
+
+class engine {
+ public:
+  // `weights` in the order of their index everywhere. `device`, `host` and
+  // `rule` must outlive the engine. Throws user_error for an invalid config
+  // (validated), no weights, or a rule/weight mismatch.
+  engine(const config& cfg, std::vector<weight_shape> weights, device_side& device, host_state& host,
+         update_rule& rule);
+  // Waits for the CPU step in flight (its result is dropped if finish() was
+  // not called).
+  ~engine();
+  engine(const engine&) = delete;
+  engine& operator=(const engine&) = delete;
+
+  // Runs ZenFlow's work for the step whose backward just produced the
+  // gradients on the device. Rethrows an error of the previous CPU step.
+  step_report step();
+  // Waits for the CPU step in flight and uploads its result, so the device
+  // holds the newest parameters (before evaluation or a checkpoint).
+  void finish();
+
+  const schedule& resolved() const noexcept { return schedule_; }
+  const engine_stats& stats() const noexcept { return stats_; }
+  const std::vector<weight_shape>& weights() const noexcept { return weights_; }
+  // The device-owned columns of weight `w` (empty until the first selection;
+  // all for a 1-D weight).
+  std::span<const std::uint32_t> selected(std::size_t w) const { return splits_[w].selected(); }
+  bool device_owns(std::size_t w, std::uint32_t column) const;
+
+ private:
+  struct window {
+    std::vector<std::vector<float>> grad;       // per weight, the gradient summed over the window
+    std::vector<std::vector<column_run>> runs;  // per weight, the columns its CPU step updates
+    bool runs_fixed = false;                    // set by a refresh, not recomputed at submission
+    std::uint64_t steps = 0;                    // steps accumulated
+    std::uint64_t index = 0;                    // which window
+    std::int64_t host_step = 0;                 // the host step count its CPU step applies
+    std::chrono::nanoseconds duration{0};       // how long its CPU step took
+  };
+
+  void accumulate(window& win, bool observe);
+  void refresh_selection(window& win);
+  void close_window();
+  void run_cpu_step(window& win);
+  void update_host_columns(window& win, std::size_t w, std::span<const column_run> runs,
+                           const host_buffers& buffers, std::int64_t host_step);
+  void wait_and_apply();
+  void apply_window(window& win);
+  void worker_loop();
+
+  config config_;
+  schedule schedule_;
+  std::vector<weight_shape> weights_;
+  device_side& device_;
+  host_state& host_;
+  update_rule& rule_;
+
+  std::vector<column_split> splits_;
+  std::vector<std::vector<column_run>> owned_by_host_;  // per weight, host_runs(splits_[w])
+  std::vector<std::size_t> matrices_;   // indices of 2-D weights
+  update_trigger trigger_;
+  std::vector<float> importance_;       // scratch: one weight's column scores
+  window windows_[2];
+  int current_ = 0;                     // the window accumulating
+  std::uint64_t step_ = 0;              // steps done
+  std::int64_t host_step_ = 0;          // host step count (bias correction on the host)
+  std::uint64_t next_window_ = 0;       // index of the next window to open
+  std::uint64_t applied_window_ = 0;    // windows whose results the device computes with
+  bool selection_made_ = false;
+
+  // The CPU step in flight: at most one (staleness ≤ one window).
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  window* pending_ = nullptr;   // submitted, not yet finished
+  window* finished_ = nullptr;  // finished, not yet applied
+  bool started_ = false;        // the worker took pending_
+  std::exception_ptr cpu_error_;
+  bool stop_ = false;
+  std::thread worker_;
+
+  engine_stats stats_;
+};
+
+}  // namespace tierflow::zenflow

@@ -1,0 +1,66 @@
+// ZenFlow's device side and host state in plain host memory: the device
+// stand-in that lets the engine, its tests and the bindings run for real
+// without a GPU, and the simplest host_state.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "tierflow/core/zenflow/engine.hpp"
+
+namespace tierflow::zenflow {
+
+// The host_state whose buffers are vectors, one set per weight.
+class memory_host_state final : public host_state {
+ public:
+  memory_host_state(const std::vector<weight_shape>& weights, std::size_t state_count);
+  void for_each(std::span<const std::size_t> weights,
+                const std::function<void(std::size_t, const host_buffers&)>& fn) override;
+  host_buffers buffers(std::size_t w);
+
+ private:
+  std::vector<std::vector<float>> param_, state0_, state1_;
+};
+
+// The device, in host memory. Per weight it keeps the compute copy (fp32
+// here; bf16 on a GPU), this step's gradient (written by the trainer through
+// gradient()), the staging area of uploads, and the device-owned columns'
+// master values and states, packed column after column in selection order.
+// The device-side arithmetic is `rule` with side::device.
+class standin_device final : public device_side {
+ public:
+  standin_device(const std::vector<weight_shape>& weights, update_rule& rule);
+
+  // Sets weight `w`'s initial values (the compute copy, and the master of a
+  // 1-D weight, which the device owns from the start). The host_state's
+  // master must start from the same values.
+  void initialize(std::size_t w, std::span<const float> values);
+  // The compute copy of weight `w`: what forward and backward read.
+  std::span<float> parameters(std::size_t w) { return compute_[w]; }
+  // Where the trainer puts this step's gradient of weight `w`.
+  std::span<float> gradient(std::size_t w) { return grad_[w]; }
+
+  // The columns whose master and state the device holds (ascending).
+  std::span<const std::uint32_t> owned_columns(std::size_t w) const { return owned_[w].columns; }
+
+  void column_importance(std::size_t w, importance_norm norm, std::span<float> out) override;
+  void update_owned(std::size_t w, std::int64_t step) override;
+  std::span<const float> download_gradient(std::size_t w) override;
+  void stage_upload(std::size_t w, std::span<const column_run> runs, std::span<const float> master) override;
+  void apply_staged(std::size_t w, std::span<const column_run> runs) override;
+  void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const selection_change& change,
+                 const host_buffers& host) override;
+
+ private:
+  struct owned {
+    std::vector<std::uint32_t> columns;  // ascending
+    std::vector<float> master, state0, state1;  // columns.size() · rows each
+  };
+  const std::vector<weight_shape>& weights_;
+  update_rule& rule_;
+  std::vector<std::vector<float>> compute_, grad_, staging_;
+  std::vector<owned> owned_;
+};
+
+}  // namespace tierflow::zenflow

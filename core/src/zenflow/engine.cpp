@@ -1,0 +1,378 @@
+#include "tierflow/core/zenflow/engine.hpp"
+
+#include <algorithm>
+#include <utility>
+
+#include "tierflow/core/assert.hpp"
+#include "tierflow/core/error.hpp"
+
+namespace tierflow::zenflow {
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+std::vector<column_run> runs_of(std::span<const std::uint32_t> sorted_columns) {
+  std::vector<column_run> runs;
+  for (const std::uint32_t c : sorted_columns) {
+    if (!runs.empty() && runs.back().end == c) ++runs.back().end;
+    else runs.push_back({c, c + 1});
+  }
+  return runs;
+}
+
+// `runs` without the (sorted) `columns`.
+std::vector<column_run> subtract(std::span<const column_run> runs, std::span<const std::uint32_t> columns) {
+  std::vector<column_run> out;
+  std::size_t k = 0;
+  for (column_run r : runs) {
+    std::uint32_t begin = r.begin;
+    while (k < columns.size() && columns[k] < r.end) {
+      const std::uint32_t c = columns[k++];
+      if (c < begin) continue;
+      if (c > begin) out.push_back({begin, c});
+      begin = c + 1;
+    }
+    if (begin < r.end) out.push_back({begin, r.end});
+  }
+  return out;
+}
+
+std::size_t count_matrices(const std::vector<weight_shape>& weights) {
+  return static_cast<std::size_t>(std::count_if(weights.begin(), weights.end(),
+                                                [](const weight_shape& w) { return w.matrix(); }));
+}
+
+}  // namespace
+
+std::vector<column_run> host_runs(const column_split& split) {
+  std::vector<column_run> runs;
+  for (std::uint32_t c = 0; c < split.columns(); ++c) {
+    if (split.on_device(c)) continue;
+    if (!runs.empty() && runs.back().end == c) ++runs.back().end;
+    else runs.push_back({c, c + 1});
+  }
+  return runs;
+}
+
+engine::engine(const config& cfg, std::vector<weight_shape> weights, device_side& device, host_state& host,
+               update_rule& rule)
+    : config_(cfg),
+      schedule_(resolve(cfg)),
+      weights_(std::move(weights)),
+      device_(device),
+      host_(host),
+      rule_(rule),
+      trigger_(std::max<std::size_t>(1, count_matrices(weights_)), cfg.auto_ratio) {
+  if (weights_.empty()) throw user_error("zenflow: no weights to optimize");
+  if (rule_.state_count() != 1 && rule_.state_count() != 2)
+    throw user_error("zenflow: the update rule must keep one or two state buffers");
+  for (const auto& w : weights_) {
+    if (w.rows == 0 || w.cols == 0) throw user_error("zenflow: weight \"" + w.name + "\" has an empty shape");
+    if (w.cols > UINT32_MAX) throw user_error("zenflow: weight \"" + w.name + "\" has too many columns");
+  }
+  const int window_count = config_.overlap_step ? 2 : 1;
+  for (std::size_t w = 0; w < weights_.size(); ++w) {
+    if (weights_[w].matrix()) {
+      matrices_.push_back(w);
+      splits_.emplace_back(weights_[w].cols);  // the host owns every column until the first selection
+    } else {
+      splits_.emplace_back(1);
+      const std::uint32_t only = 0;
+      splits_.back().refresh(std::span(&only, 1));  // 1-D weights: always the device's
+    }
+    owned_by_host_.push_back(host_runs(splits_.back()));
+  }
+  for (int k = 0; k < window_count; ++k) {
+    windows_[k].grad.resize(weights_.size());
+    windows_[k].runs.resize(weights_.size());
+    for (const std::size_t w : matrices_) windows_[k].grad[w].assign(weights_[w].elements(), 0.0f);
+  }
+  if (config_.overlap_step) worker_ = std::thread(&engine::worker_loop, this);
+}
+
+engine::~engine() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+bool engine::device_owns(std::size_t w, std::uint32_t column) const {
+  TF_ASSERT(w < splits_.size() && column < splits_[w].columns());
+  return splits_[w].on_device(column);
+}
+
+step_report engine::step() {
+  const auto started = clock::now();
+  step_report report;
+  report.step = step_;
+  const bool warm = step_ < schedule_.warm_up_steps;
+  report.warm_up = warm;
+  const bool auto_interval = !schedule_.update_interval;
+
+  if (!warm && !selection_made_) {
+    refresh_selection(windows_[current_]);  // the first selection: nothing accumulated yet
+    selection_made_ = true;
+    report.refreshed = true;
+  }
+
+  // 2. The device-owned columns and the 1-D weights, on the device, every step.
+  const auto device_step = static_cast<std::int64_t>(step_) + 1;
+  for (std::size_t w = 0; w < weights_.size(); ++w) {
+    if (!splits_[w].selected().empty()) device_.update_owned(w, device_step);
+  }
+  // 3. The host-owned columns' gradient, added into the window.
+  accumulate(windows_[current_], !warm && auto_interval);
+  windows_[current_].steps += 1;
+
+  const bool select = !warm && is_select_boundary(schedule_, step_);
+  const bool boundary = warm || select || (auto_interval ? trigger_.due() : is_update_boundary(schedule_, step_));
+  if (boundary) {
+    report.update_boundary = true;
+    const auto wait_start = clock::now();
+    wait_and_apply();  // 4. the previous window's result
+    report.wait_for_cpu = clock::now() - wait_start;
+    if (select) {
+      refresh_selection(windows_[current_]);
+      report.refreshed = true;
+    }
+    close_window();  // 5. this window's CPU step
+    report.cpu_step_started = true;
+    if (auto_interval) trigger_.reset();
+  }
+  ++step_;
+  stats_.steps += 1;
+  stats_.wait_for_cpu += report.wait_for_cpu;
+  report.host_work = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - started) - report.wait_for_cpu;
+  return report;
+}
+
+void engine::accumulate(window& win, bool observe) {
+  for (std::size_t i = 0; i < matrices_.size(); ++i) {
+    const std::size_t w = matrices_[i];
+    const column_split& split = splits_[w];
+    if (observe) {
+      importance_.resize(split.columns());
+      device_.column_importance(w, config_.norm, importance_);
+      double important = 0, unimportant = 0;
+      for (std::uint32_t c = 0; c < split.columns(); ++c)
+        (split.on_device(c) ? important : unimportant) += importance_[c];
+      trigger_.observe(i, important, unimportant);
+    }
+    if (owned_by_host_[w].empty()) continue;
+    const std::span<const float> g = device_.download_gradient(w);
+    TF_ASSERT(g.size() == weights_[w].elements(), "download_gradient returned a wrong size");
+    float* sum = win.grad[w].data();
+    const std::uint64_t rows = weights_[w].rows;
+    for (const column_run r : owned_by_host_[w]) {
+      const std::uint64_t begin = r.begin * rows, end = r.end * rows;
+      for (std::uint64_t k = begin; k < end; ++k) sum[k] += g[k];
+    }
+  }
+}
+
+void engine::refresh_selection(window& win) {
+  // The next selection of every 2-D weight.
+  std::vector<std::vector<std::uint32_t>> next(weights_.size());
+  if (rule_.unit() == granularity::columns) {
+    for (const std::size_t w : matrices_) {
+      importance_.resize(weights_[w].cols);
+      device_.column_importance(w, config_.norm, importance_);
+      next[w] = top_columns(importance_, columns_to_keep(weights_[w].cols, config_.topk_ratio));
+    }
+  } else {
+    // Whole matrices: the top topk_ratio of the 2-D weights by gradient mass.
+    std::vector<float> mass(matrices_.size());
+    for (std::size_t i = 0; i < matrices_.size(); ++i) {
+      importance_.resize(weights_[matrices_[i]].cols);
+      device_.column_importance(matrices_[i], config_.norm, importance_);
+      double sum = 0;
+      for (const float x : importance_) sum += x;
+      mass[i] = static_cast<float>(sum);
+    }
+    if (!matrices_.empty()) {
+      for (const std::uint32_t i : top_columns(mass, columns_to_keep(matrices_.size(), config_.topk_ratio))) {
+        const std::size_t w = matrices_[i];
+        next[w].resize(weights_[w].cols);
+        for (std::uint32_t c = 0; c < next[w].size(); ++c) next[w][c] = c;
+      }
+    }
+  }
+
+  // Commit the new ownership; remember what changes hands.
+  std::vector<selection_change> changes(weights_.size());
+  std::vector<std::size_t> changed;
+  for (const std::size_t w : matrices_) {
+    win.runs[w] = owned_by_host_[w];  // what the window accumulated under
+    changes[w] = splits_[w].refresh(next[w]);
+    owned_by_host_[w] = host_runs(splits_[w]);
+    if (!changes[w].entering.empty() || !changes[w].leaving.empty()) changed.push_back(w);
+  }
+
+  // Columns entering the device first get this window's gradient applied on
+  // the host (at the step count the window's CPU step will use), so nothing
+  // accumulated is lost; then master values and state cross over.
+  const std::int64_t window_step = host_step_ + 1;
+  host_.for_each(changed, [&](std::size_t w, const host_buffers& buffers) {
+    const selection_change& change = changes[w];
+    if (win.steps > 0 && !change.entering.empty()) {
+      update_host_columns(win, w, runs_of(change.entering), buffers, window_step);
+    }
+    device_.hand_over(w, splits_[w].selected(), change, buffers);
+  });
+  for (const std::size_t w : matrices_) win.runs[w] = subtract(win.runs[w], changes[w].entering);
+  win.runs_fixed = true;
+  stats_.refreshes += 1;
+}
+
+void engine::close_window() {
+  window& win = windows_[current_];
+  win.index = next_window_++;
+  // Bounded staleness: a window's CPU step starts only once every earlier
+  // window's result is on the device, so at most one window is in flight.
+  TF_ASSERT(win.index == applied_window_, "zenflow staleness bound: an earlier window is not applied yet");
+  win.host_step = ++host_step_;
+  if (!win.runs_fixed) {
+    for (const std::size_t w : matrices_) win.runs[w] = owned_by_host_[w];
+  }
+  win.runs_fixed = false;
+
+  const bool overlap = config_.overlap_step && step_ >= schedule_.warm_up_steps;
+  if (!overlap) {
+    run_cpu_step(win);
+    stats_.cpu_steps += 1;
+    stats_.cpu_step_time += win.duration;
+    apply_window(win);
+    return;
+  }
+  {
+    std::lock_guard lock(mutex_);
+    TF_ASSERT(pending_ == nullptr && finished_ == nullptr);
+    pending_ = &win;
+    started_ = false;
+  }
+  cv_.notify_all();
+  current_ ^= 1;  // the other window was applied and emptied: it accumulates next
+}
+
+void engine::run_cpu_step(window& win) {
+  const auto started = clock::now();
+  std::vector<std::size_t> todo;
+  for (const std::size_t w : matrices_) {
+    if (!win.runs[w].empty()) todo.push_back(w);
+  }
+  if (win.steps > 0 && !todo.empty()) {
+    host_.for_each(todo, [&](std::size_t w, const host_buffers& buffers) {
+      update_host_columns(win, w, win.runs[w], buffers, win.host_step);
+      device_.stage_upload(w, win.runs[w], buffers.param);
+    });
+  }
+  win.steps = 0;
+  win.duration = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - started);
+}
+
+void engine::update_host_columns(window& win, std::size_t w, std::span<const column_run> runs,
+                                 const host_buffers& buffers, std::int64_t host_step) {
+  const weight_shape& shape = weights_[w];
+  const std::uint64_t rows = shape.rows;
+  TF_ASSERT(buffers.param.size() == shape.elements(), "host buffers of the wrong size");
+  if (rule_.unit() == granularity::matrix) {
+    TF_ASSERT(runs.size() == 1 && runs[0].begin == 0 && runs[0].end == shape.cols,
+              "a matrix-granular rule updates whole matrices");
+  }
+  // The host applies the window's mean gradient.
+  const float scale = 1.0f / static_cast<float>(win.steps);
+  std::vector<float>& sum = win.grad[w];
+  for (const column_run r : runs) {
+    const std::uint64_t begin = r.begin * rows, n = (r.end - r.begin) * rows;
+    const std::span<float> grad(sum.data() + begin, n);
+    if (win.steps > 1) {
+      for (float& x : grad) x *= scale;
+    }
+    update_args args;
+    args.weight = &shape;
+    args.weight_index = w;
+    args.first_column = r.begin;
+    args.columns = r.end - r.begin;
+    args.param = buffers.param.subspan(begin, n);
+    args.grad = grad;
+    args.state0 = buffers.state0.subspan(begin, n);
+    if (rule_.state_count() == 2) args.state1 = buffers.state1.subspan(begin, n);
+    args.step = host_step;
+    args.where = side::host;
+    rule_.apply(args);
+    std::fill(grad.begin(), grad.end(), 0.0f);  // consumed: the window can be reused
+  }
+}
+
+void engine::wait_and_apply() {
+  window* done = nullptr;
+  if (config_.overlap_step) {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return pending_ == nullptr; });
+    done = std::exchange(finished_, nullptr);
+    if (cpu_error_) std::rethrow_exception(std::exchange(cpu_error_, nullptr));
+  }
+  if (done != nullptr) {
+    stats_.cpu_steps += 1;
+    stats_.cpu_step_time += done->duration;
+    apply_window(*done);
+  }
+}
+
+void engine::apply_window(window& win) {
+  TF_ASSERT(win.index == applied_window_, "zenflow staleness bound: windows are applied in order");
+  for (const std::size_t w : matrices_) {
+    if (!win.runs[w].empty()) device_.apply_staged(w, win.runs[w]);
+  }
+  applied_window_ = win.index + 1;
+}
+
+void engine::worker_loop() {
+  for (;;) {
+    window* win = nullptr;
+    {
+      std::unique_lock lock(mutex_);
+      cv_.wait(lock, [&] { return stop_ || (pending_ != nullptr && !started_); });
+      if (stop_) return;
+      win = pending_;
+      started_ = true;
+    }
+    std::exception_ptr error;
+    try {
+      run_cpu_step(*win);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    {
+      std::lock_guard lock(mutex_);
+      // Published under the lock: the trainer thread reads the window after
+      // it sees pending_ cleared, so the CPU step's writes happen-before.
+      finished_ = win;
+      pending_ = nullptr;
+      cpu_error_ = error;
+    }
+    cv_.notify_all();
+  }
+}
+
+void engine::finish() {
+  wait_and_apply();
+  if (windows_[current_].steps > 0) {
+    // Close the open window at once, as if this step ended one.
+    window& win = windows_[current_];
+    win.index = next_window_++;
+    TF_ASSERT(win.index == applied_window_);
+    win.host_step = ++host_step_;
+    for (const std::size_t w : matrices_) win.runs[w] = owned_by_host_[w];
+    win.runs_fixed = false;
+    run_cpu_step(win);
+    stats_.cpu_steps += 1;
+    stats_.cpu_step_time += win.duration;
+    apply_window(win);
+  }
+}
+
+}  // namespace tierflow::zenflow

@@ -1,0 +1,147 @@
+#include "tierflow/core/zenflow/standin.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "tierflow/core/assert.hpp"
+
+namespace tierflow::zenflow {
+
+memory_host_state::memory_host_state(const std::vector<weight_shape>& weights, std::size_t state_count) {
+  for (const auto& w : weights) {
+    param_.emplace_back(w.elements(), 0.0f);
+    state0_.emplace_back(w.elements(), 0.0f);
+    state1_.emplace_back(state_count > 1 ? w.elements() : 0, 0.0f);
+  }
+}
+
+host_buffers memory_host_state::buffers(std::size_t w) { return {param_[w], state0_[w], state1_[w]}; }
+
+void memory_host_state::for_each(std::span<const std::size_t> weights,
+                                 const std::function<void(std::size_t, const host_buffers&)>& fn) {
+  for (const std::size_t w : weights) fn(w, buffers(w));
+}
+
+standin_device::standin_device(const std::vector<weight_shape>& weights, update_rule& rule)
+    : weights_(weights), rule_(rule) {
+  for (const auto& w : weights) {
+    compute_.emplace_back(w.elements(), 0.0f);
+    grad_.emplace_back(w.elements(), 0.0f);
+    staging_.emplace_back(w.matrix() ? w.elements() : 0, 0.0f);
+    owned_.emplace_back();
+    if (!w.matrix()) {
+      // A 1-D weight is always the device's, master and state included.
+      owned_.back().columns = {0};
+      owned_.back().master.assign(w.elements(), 0.0f);
+      owned_.back().state0.assign(w.elements(), 0.0f);
+      owned_.back().state1.assign(rule.state_count() > 1 ? w.elements() : 0, 0.0f);
+    }
+  }
+}
+
+void standin_device::column_importance(std::size_t w, importance_norm norm, std::span<float> out) {
+  const std::uint64_t rows = weights_[w].rows;
+  TF_ASSERT(out.size() == weights_[w].cols);
+  const float* g = grad_[w].data();
+  for (std::size_t c = 0; c < out.size(); ++c) {
+    double sum = 0;
+    for (std::uint64_t r = 0; r < rows; ++r) {
+      const double x = g[c * rows + r];
+      sum += norm == importance_norm::l1 ? std::fabs(x) : x * x;
+    }
+    out[c] = static_cast<float>(sum);
+  }
+}
+
+void standin_device::update_owned(std::size_t w, std::int64_t step) {
+  const weight_shape& shape = weights_[w];
+  const std::uint64_t rows = shape.rows;
+  owned& o = owned_[w];
+  // Consecutive owned columns are contiguous in both layouts: one call per run.
+  std::size_t i = 0;
+  while (i < o.columns.size()) {
+    std::size_t j = i + 1;
+    while (j < o.columns.size() && o.columns[j] == o.columns[j - 1] + 1) ++j;
+    const std::uint64_t first = o.columns[i], n = (j - i) * rows;
+    update_args args;
+    args.weight = &shape;
+    args.weight_index = w;
+    args.first_column = static_cast<std::uint32_t>(first);
+    args.columns = static_cast<std::uint32_t>(j - i);
+    args.param = std::span(o.master).subspan(i * rows, n);
+    args.grad = std::span<const float>(grad_[w]).subspan(first * rows, n);
+    args.state0 = std::span(o.state0).subspan(i * rows, n);
+    if (rule_.state_count() > 1) args.state1 = std::span(o.state1).subspan(i * rows, n);
+    args.step = step;
+    args.where = side::device;
+    rule_.apply(args);
+    std::copy_n(o.master.begin() + static_cast<std::ptrdiff_t>(i * rows), n,
+                compute_[w].begin() + static_cast<std::ptrdiff_t>(first * rows));
+    i = j;
+  }
+}
+
+void standin_device::initialize(std::size_t w, std::span<const float> values) {
+  TF_ASSERT(values.size() == weights_[w].elements());
+  std::copy(values.begin(), values.end(), compute_[w].begin());
+  if (!weights_[w].matrix()) std::copy(values.begin(), values.end(), owned_[w].master.begin());
+}
+
+std::span<const float> standin_device::download_gradient(std::size_t w) { return grad_[w]; }
+
+void standin_device::stage_upload(std::size_t w, std::span<const column_run> runs, std::span<const float> master) {
+  const std::uint64_t rows = weights_[w].rows;
+  for (const column_run r : runs)
+    std::copy(master.begin() + r.begin * rows, master.begin() + r.end * rows, staging_[w].begin() + r.begin * rows);
+}
+
+void standin_device::apply_staged(std::size_t w, std::span<const column_run> runs) {
+  const std::uint64_t rows = weights_[w].rows;
+  for (const column_run r : runs)
+    std::copy(staging_[w].begin() + r.begin * rows, staging_[w].begin() + r.end * rows,
+              compute_[w].begin() + r.begin * rows);
+}
+
+void standin_device::hand_over(std::size_t w, std::span<const std::uint32_t> selected, const selection_change& change,
+                               const host_buffers& host) {
+  const std::uint64_t rows = weights_[w].rows;
+  owned& o = owned_[w];
+  const bool two = rule_.state_count() > 1;
+  // Leaving columns: their master and state go to the host.
+  for (const std::uint32_t c : change.leaving) {
+    const auto it = std::lower_bound(o.columns.begin(), o.columns.end(), c);
+    TF_ASSERT(it != o.columns.end() && *it == c, "a leaving column was not the device's");
+    const std::size_t at = static_cast<std::size_t>(it - o.columns.begin()) * rows;
+    std::copy_n(o.master.begin() + static_cast<std::ptrdiff_t>(at), rows, host.param.begin() + c * rows);
+    std::copy_n(o.state0.begin() + static_cast<std::ptrdiff_t>(at), rows, host.state0.begin() + c * rows);
+    if (two) std::copy_n(o.state1.begin() + static_cast<std::ptrdiff_t>(at), rows, host.state1.begin() + c * rows);
+  }
+  // The new packed layout, in selection order: kept columns move within the
+  // device, entering ones come from the host.
+  owned next;
+  next.columns.assign(selected.begin(), selected.end());
+  next.master.resize(selected.size() * rows);
+  next.state0.resize(selected.size() * rows);
+  if (two) next.state1.resize(selected.size() * rows);
+  for (std::size_t k = 0; k < selected.size(); ++k) {
+    const std::uint32_t c = selected[k];
+    const auto it = std::lower_bound(o.columns.begin(), o.columns.end(), c);
+    const bool kept = it != o.columns.end() && *it == c;
+    const std::size_t from = kept ? static_cast<std::size_t>(it - o.columns.begin()) * rows : 0;
+    for (std::uint64_t r = 0; r < rows; ++r) {
+      next.master[k * rows + r] = kept ? o.master[from + r] : host.param[c * rows + r];
+      next.state0[k * rows + r] = kept ? o.state0[from + r] : host.state0[c * rows + r];
+      if (two) next.state1[k * rows + r] = kept ? o.state1[from + r] : host.state1[c * rows + r];
+    }
+    if (!kept) {
+      // The compute copy of an entering column starts from the host's master.
+      std::copy_n(host.param.begin() + c * rows, rows, compute_[w].begin() + c * rows);
+    }
+  }
+  TF_ASSERT(change.entering.size() + (o.columns.size() - change.leaving.size()) == selected.size(),
+            "hand-over does not add up");
+  o = std::move(next);
+}
+
+}  // namespace tierflow::zenflow

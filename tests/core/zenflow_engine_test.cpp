@@ -1,0 +1,284 @@
+// The ZenFlow engine on the device stand-in, against a plain optimizer run
+// over the same gradients.
+#include "tierflow/core/zenflow/engine.hpp"
+
+#include <cmath>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/zenflow/standin.hpp"
+
+namespace tierflow::zenflow {
+namespace {
+
+// Adam in fp32, one element at a time: the same arithmetic on either side,
+// so exact agreement is the expected result, not a tolerance.
+class adam_rule final : public update_rule {
+ public:
+  granularity unit() const noexcept override { return granularity::columns; }
+  std::size_t state_count() const noexcept override { return 2; }
+  void apply(const update_args& a) override {
+    ++calls[a.where == side::device ? 0 : 1];
+    const float b1 = 0.9f, b2 = 0.999f, lr = 1e-2f, eps = 1e-8f;
+    const float c1 = 1.0f - std::pow(b1, static_cast<float>(a.step));
+    const float c2 = std::sqrt(1.0f - std::pow(b2, static_cast<float>(a.step)));
+    for (std::size_t i = 0; i < a.param.size(); ++i) {
+      const float g = a.grad[i];
+      a.state0[i] = b1 * a.state0[i] + (1 - b1) * g;
+      a.state1[i] = b2 * a.state1[i] + (1 - b2) * g * g;
+      a.param[i] -= lr / c1 * a.state0[i] / (std::sqrt(a.state1[i]) / c2 + eps);
+    }
+  }
+  int calls[2] = {0, 0};
+};
+
+// Momentum SGD over whole matrices: the shape of Muon's unit.
+class matrix_rule final : public update_rule {
+ public:
+  granularity unit() const noexcept override { return granularity::matrix; }
+  std::size_t state_count() const noexcept override { return 1; }
+  void apply(const update_args& a) override {
+    if (a.weight->matrix()) {
+      EXPECT_EQ(a.columns, a.weight->cols);
+    }
+    for (std::size_t i = 0; i < a.param.size(); ++i) {
+      a.state0[i] = 0.9f * a.state0[i] + a.grad[i];
+      a.param[i] -= 0.01f * a.state0[i];
+    }
+  }
+};
+
+std::vector<weight_shape> model() {
+  return {{"w0", 8, 16}, {"b0", 7, 1}, {"w1", 5, 24}, {"w2", 12, 5}, {"ln", 3, 1}};
+}
+
+// The gradient of step `step` for weight `w`: independent of the parameters,
+// so every schedule sees the same gradients.
+void fill_gradient(std::span<float> g, std::size_t w, std::uint64_t step) {
+  std::mt19937 rng(static_cast<unsigned>(1000 * step + w));
+  std::normal_distribution<float> normal(0, 1);
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    // A few columns stand out, and which ones changes over time.
+    g[i] = normal(rng) * (((i / 5 + step / 3) % 7 == 0) ? 10.0f : 1.0f);
+  }
+}
+
+std::vector<float> initial(std::size_t w, std::size_t n) {
+  std::vector<float> v(n);
+  std::mt19937 rng(static_cast<unsigned>(w + 77));
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (auto& x : v) x = u(rng);
+  return v;
+}
+
+// The plain optimizer over whole weights, step after step.
+struct reference_run {
+  std::vector<weight_shape> weights = model();
+  memory_host_state state{weights, 2};
+  explicit reference_run(update_rule& rule, std::uint64_t steps) {
+    for (std::size_t w = 0; w < weights.size(); ++w) {
+      auto b = state.buffers(w);
+      auto init = initial(w, weights[w].elements());
+      std::copy(init.begin(), init.end(), b.param.begin());
+    }
+    for (std::uint64_t s = 0; s < steps; ++s) {
+      std::vector<float> g;
+      params.emplace_back();
+      for (std::size_t w = 0; w < weights.size(); ++w) {
+        g.assign(weights[w].elements(), 0);
+        fill_gradient(g, w, s);
+        auto b = state.buffers(w);
+        update_args a;
+        a.weight = &weights[w];
+        a.weight_index = w;
+        a.columns = static_cast<std::uint32_t>(weights[w].cols);
+        a.param = b.param;
+        a.grad = g;
+        a.state0 = b.state0;
+        a.state1 = b.state1;
+        a.step = static_cast<std::int64_t>(s) + 1;
+        rule.apply(a);
+        params.back().emplace_back(b.param.begin(), b.param.end());
+      }
+    }
+  }
+  std::vector<std::vector<std::vector<float>>> params;  // [step][weight]
+};
+
+// ZenFlow over the stand-in: trains `steps` steps and records the device's
+// compute copy after each.
+struct zenflow_run {
+  std::vector<weight_shape> weights = model();
+  memory_host_state host;
+  standin_device device;
+  engine eng;
+  std::vector<std::vector<std::vector<float>>> params;  // [step][weight]
+  std::vector<step_report> reports;
+
+  zenflow_run(const config& c, update_rule& rule)
+      : host(weights, rule.state_count()), device(weights, rule), eng(c, weights, device, host, rule) {
+    for (std::size_t w = 0; w < weights.size(); ++w) {
+      const auto init = initial(w, weights[w].elements());
+      device.initialize(w, init);
+      std::copy(init.begin(), init.end(), host.buffers(w).param.begin());
+    }
+  }
+  void train(std::uint64_t steps) {
+    for (std::uint64_t s = 0; s < steps; ++s) {
+      for (std::size_t w = 0; w < weights.size(); ++w) fill_gradient(device.gradient(w), w, s);
+      reports.push_back(eng.step());
+      check_ownership();
+      snapshot();
+    }
+  }
+  void snapshot() {
+    params.emplace_back();
+    for (std::size_t w = 0; w < weights.size(); ++w) {
+      const auto p = device.parameters(w);
+      params.back().emplace_back(p.begin(), p.end());
+    }
+  }
+  // Every column is owned by exactly one side: the device's packed state holds
+  // exactly the engine's selection, and the engine's split agrees.
+  void check_ownership() {
+    for (std::size_t w = 0; w < weights.size(); ++w) {
+      const auto sel = eng.selected(w);
+      const auto owned = device.owned_columns(w);
+      ASSERT_EQ(std::vector<std::uint32_t>(sel.begin(), sel.end()),
+                std::vector<std::uint32_t>(owned.begin(), owned.end()))
+          << weights[w].name;
+      std::size_t on_device = 0;
+      for (std::uint32_t c = 0; c < weights[w].cols; ++c) on_device += eng.device_owns(w, c);
+      ASSERT_EQ(on_device, sel.size());
+    }
+  }
+};
+
+config step_config(double topk, std::uint64_t update, std::uint64_t select, bool overlap, std::uint64_t warm = 0) {
+  config c;
+  c.topk_ratio = topk;
+  c.strategy = select_strategy::step;
+  c.update_interval = update;
+  c.select_interval = select;
+  c.overlap_step = overlap;
+  c.full_warm_up_rounds = warm;
+  return c;
+}
+
+void expect_identical(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b,
+                      std::uint64_t step) {
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t w = 0; w < a.size(); ++w) {
+    ASSERT_EQ(a[w].size(), b[w].size());
+    for (std::size_t i = 0; i < a[w].size(); ++i)
+      ASSERT_EQ(a[w][i], b[w][i]) << "step " << step << " weight " << w << " element " << i;
+  }
+}
+
+TEST(ZenflowEngine, TopkOneReproducesTheOptimizerExactly) {
+  for (bool overlap : {false, true}) {
+    for (std::uint64_t warm : {0u, 2u}) {
+      adam_rule rule;
+      const reference_run ref(rule, 12);
+      zenflow_run z(step_config(1.0, 4, 8, overlap, warm), rule);
+      z.train(12);
+      for (std::uint64_t s = 0; s < 12; ++s) expect_identical(z.params[s], ref.params[s], s);
+    }
+  }
+}
+
+TEST(ZenflowEngine, IntervalOneWithoutOverlapReproducesTheOptimizerExactlyThroughRefreshes) {
+  adam_rule rule;
+  const reference_run ref(rule, 15);
+  // A refresh after every step: columns change hands all the time.
+  zenflow_run z(step_config(0.3, 1, 1, false, 1), rule);
+  z.train(15);
+  for (std::uint64_t s = 0; s < 15; ++s) expect_identical(z.params[s], ref.params[s], s);
+  EXPECT_GE(z.eng.stats().refreshes, 14u);
+  EXPECT_GT(rule.calls[0], 0);  // both sides did work
+  EXPECT_GT(rule.calls[1], 0);
+}
+
+TEST(ZenflowEngine, WholeMatrixRuleSelectsWholeMatricesAndStaysExact) {
+  matrix_rule rule;
+  const reference_run ref(rule, 10);
+  zenflow_run z(step_config(0.5, 1, 3, false), rule);
+  z.train(10);
+  for (std::uint64_t s = 0; s < 10; ++s) expect_identical(z.params[s], ref.params[s], s);
+  std::size_t whole = 0;
+  for (std::size_t w = 0; w < z.weights.size(); ++w) {
+    if (!z.weights[w].matrix()) continue;
+    const std::size_t n = z.eng.selected(w).size();
+    EXPECT_TRUE(n == 0 || n == z.weights[w].cols);
+    whole += n == z.weights[w].cols;
+  }
+  EXPECT_EQ(whole, 2u);  // half of the three matrices, rounded up
+}
+
+// With overlap the host-owned columns the device computes with are exactly one
+// window behind the synchronous run, the device-owned ones not at all, and
+// finish() brings both runs to the same parameters.
+TEST(ZenflowEngine, OverlapLagsByExactlyOneWindowAndCatchesUpAtFinish) {
+  adam_rule rule;
+  const std::uint64_t window = 3, steps = 12;
+  zenflow_run sync(step_config(0.25, window, 1000, false), rule);
+  zenflow_run async(step_config(0.25, window, 1000, true), rule);
+  sync.train(steps);
+  async.train(steps);
+  for (std::uint64_t s = 0; s < steps; ++s) {
+    for (std::size_t w = 0; w < sync.weights.size(); ++w) {
+      const std::uint64_t rows = sync.weights[w].rows;
+      for (std::uint32_t c = 0; c < sync.weights[w].cols; ++c) {
+        // Windows end at steps 2, 5, 8, 11: the async run applies window k at
+        // the end of window k+1, so it shows the sync state of one window earlier.
+        const bool device_side = async.eng.device_owns(w, c);
+        std::int64_t lagged = static_cast<std::int64_t>(s) - static_cast<std::int64_t>(window);
+        for (std::uint64_t r = 0; r < rows; ++r) {
+          const float got = async.params[s][w][c * rows + r];
+          if (device_side) {
+            ASSERT_EQ(got, sync.params[s][w][c * rows + r]) << "step " << s;
+          } else if (lagged >= 0) {
+            ASSERT_EQ(got, sync.params[static_cast<std::size_t>(lagged)][w][c * rows + r]) << "step " << s;
+          }
+        }
+      }
+    }
+  }
+  sync.eng.finish();
+  async.eng.finish();
+  sync.snapshot();
+  async.snapshot();
+  expect_identical(async.params.back(), sync.params.back(), steps);
+  EXPECT_EQ(async.eng.stats().cpu_steps, steps / window);
+}
+
+TEST(ZenflowEngine, AutomaticUpdateIntervalClosesWindowsFromGradientMass) {
+  adam_rule rule;
+  config c;
+  c.topk_ratio = 0.2;
+  c.strategy = select_strategy::step;
+  c.select_interval = 50;
+  c.auto_ratio = 0.6;
+  zenflow_run z(c, rule);
+  z.train(30);
+  const auto windows = z.eng.stats().cpu_steps;
+  EXPECT_GT(windows, 1u);
+  EXPECT_LT(windows, 30u);  // the unimportant mass takes more than a step to catch up
+}
+
+TEST(ZenflowEngine, RefusesBadSetups) {
+  adam_rule rule;
+  std::vector<weight_shape> weights = model();
+  memory_host_state host(weights, 2);
+  standin_device device(weights, rule);
+  config bad;
+  bad.topk_ratio = 0;
+  EXPECT_THROW(engine(bad, weights, device, host, rule), user_error);
+  EXPECT_THROW(engine(config{}, {}, device, host, rule), user_error);
+  EXPECT_THROW(engine(config{}, {{"empty", 0, 4}}, device, host, rule), user_error);
+}
+
+}  // namespace
+}  // namespace tierflow::zenflow
