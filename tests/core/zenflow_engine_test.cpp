@@ -17,7 +17,7 @@ namespace {
 // so exact agreement is the expected result, not a tolerance.
 class adam_rule final : public update_rule {
  public:
-  granularity unit() const noexcept override { return granularity::columns; }
+  granularity unit(std::size_t) const noexcept override { return granularity::columns; }
   std::size_t state_count() const noexcept override { return 2; }
   void apply(const update_args& a) override {
     ++calls[a.where == side::device ? 0 : 1];
@@ -37,7 +37,7 @@ class adam_rule final : public update_rule {
 // Momentum SGD over whole matrices: the shape of Muon's unit.
 class matrix_rule final : public update_rule {
  public:
-  granularity unit() const noexcept override { return granularity::matrix; }
+  granularity unit(std::size_t) const noexcept override { return granularity::matrix; }
   std::size_t state_count() const noexcept override { return 1; }
   void apply(const update_args& a) override {
     if (a.weight->matrix()) {

@@ -176,28 +176,26 @@ void engine::accumulate(window& win, bool observe) {
 void engine::refresh_selection(window& win) {
   // The next selection of every 2-D weight.
   std::vector<std::vector<std::uint32_t>> next(weights_.size());
-  if (rule_.unit() == granularity::columns) {
-    for (const std::size_t w : matrices_) {
-      importance_.resize(weights_[w].cols);
-      device_.column_importance(w, config_.norm, importance_);
+  std::vector<std::size_t> whole;  // weights selected as a whole
+  std::vector<float> mass;
+  for (const std::size_t w : matrices_) {
+    importance_.resize(weights_[w].cols);
+    device_.column_importance(w, config_.norm, importance_);
+    if (rule_.unit(w) == granularity::columns) {
       next[w] = top_columns(importance_, columns_to_keep(weights_[w].cols, config_.topk_ratio));
-    }
-  } else {
-    // Whole matrices: the top topk_ratio of the 2-D weights by gradient mass.
-    std::vector<float> mass(matrices_.size());
-    for (std::size_t i = 0; i < matrices_.size(); ++i) {
-      importance_.resize(weights_[matrices_[i]].cols);
-      device_.column_importance(matrices_[i], config_.norm, importance_);
+    } else {
       double sum = 0;
       for (const float x : importance_) sum += x;
-      mass[i] = static_cast<float>(sum);
+      whole.push_back(w);
+      mass.push_back(static_cast<float>(sum));
     }
-    if (!matrices_.empty()) {
-      for (const std::uint32_t i : top_columns(mass, columns_to_keep(matrices_.size(), config_.topk_ratio))) {
-        const std::size_t w = matrices_[i];
-        next[w].resize(weights_[w].cols);
-        for (std::uint32_t c = 0; c < next[w].size(); ++c) next[w][c] = c;
-      }
+  }
+  if (!whole.empty()) {
+    // The top topk_ratio of the whole-matrix weights by gradient mass.
+    for (const std::uint32_t i : top_columns(mass, columns_to_keep(whole.size(), config_.topk_ratio))) {
+      const std::size_t w = whole[i];
+      next[w].resize(weights_[w].cols);
+      for (std::uint32_t c = 0; c < next[w].size(); ++c) next[w][c] = c;
     }
   }
 
@@ -278,7 +276,7 @@ void engine::update_host_columns(window& win, std::size_t w, std::span<const col
   const weight_shape& shape = weights_[w];
   const std::uint64_t rows = shape.rows;
   TF_ASSERT(buffers.param.size() == shape.elements(), "host buffers of the wrong size");
-  if (rule_.unit() == granularity::matrix) {
+  if (rule_.unit(w) == granularity::matrix) {
     TF_ASSERT(runs.size() == 1 && runs[0].begin == 0 && runs[0].end == shape.cols,
               "a matrix-granular rule updates whole matrices");
   }

@@ -24,9 +24,9 @@
 // no overlap this makes ZenFlow compute exactly what the plain optimizer
 // computes, whatever the selection.
 //
-// Optimizers whose unit is a whole matrix (Muon) select whole matrices: the
-// top topk_ratio of the 2-D weights by gradient mass are updated on the
-// device every step, the others asynchronously on the host.
+// Weights whose unit is the whole matrix (Muon) are selected whole: the top
+// topk_ratio of those weights by gradient mass are updated on the device
+// every step, the others asynchronously on the host.
 #pragma once
 
 #include <chrono>
@@ -92,7 +92,10 @@ struct update_args {
 class update_rule {
  public:
   virtual ~update_rule() = default;
-  virtual granularity unit() const noexcept = 0;
+  // How weight `w` may be split between the sides: any columns (Adam), or only
+  // as a whole (Muon's hidden matrices). A mixed rule (Muon with AdamW for
+  // embeddings) answers per weight.
+  virtual granularity unit(std::size_t w) const noexcept = 0;
   virtual std::size_t state_count() const noexcept = 0;  // 2 for Adam, 1 for Muon
   virtual void apply(const update_args& args) = 0;
 };
