@@ -125,8 +125,10 @@ struct zenflow_run {
       std::copy(init.begin(), init.end(), host.buffers(w).param.begin());
     }
   }
-  void train(std::uint64_t steps) {
+  void train(std::uint64_t steps, bool apply_early = false) {
     for (std::uint64_t s = 0; s < steps; ++s) {
+      // A trainer that applies the previous window during the backward.
+      if (apply_early && eng.will_update()) eng.apply_previous_window();
       for (std::size_t w = 0; w < weights.size(); ++w) fill_gradient(device.gradient(w), w, s);
       reports.push_back(eng.step());
       check_ownership();
@@ -246,6 +248,12 @@ TEST(ZenflowEngine, OverlapLagsByExactlyOneWindowAndCatchesUpAtFinish) {
       }
     }
   }
+  // Applying the previous window early, during the boundary step's backward,
+  // changes no value.
+  zenflow_run early(step_config(0.25, window, 1000, true), rule);
+  early.train(steps, true);
+  for (std::uint64_t s = 0; s < steps; ++s) expect_identical(early.params[s], async.params[s], s);
+
   sync.eng.finish();
   async.eng.finish();
   sync.snapshot();

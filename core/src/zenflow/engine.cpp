@@ -297,7 +297,7 @@ void engine::update_host_columns(window& win, std::size_t w, std::span<const col
     args.param = buffers.param.subspan(begin, n);
     args.grad = grad;
     args.state0 = buffers.state0.subspan(begin, n);
-    if (rule_.state_count() == 2) args.state1 = buffers.state1.subspan(begin, n);
+    if (!buffers.state1.empty()) args.state1 = buffers.state1.subspan(begin, n);
     args.step = host_step;
     args.where = side::host;
     rule_.apply(args);
@@ -354,6 +354,20 @@ void engine::worker_loop() {
     }
     cv_.notify_all();
   }
+}
+
+std::chrono::nanoseconds engine::apply_previous_window() {
+  const auto start = clock::now();
+  wait_and_apply();
+  const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - start);
+  stats_.wait_for_cpu += waited;
+  return waited;
+}
+
+bool engine::will_update() const {
+  if (step_ < schedule_.warm_up_steps) return true;
+  return is_select_boundary(schedule_, step_) ||
+         (schedule_.update_interval && is_update_boundary(schedule_, step_));
 }
 
 void engine::finish() {

@@ -96,7 +96,9 @@ class update_rule {
   // as a whole (Muon's hidden matrices). A mixed rule (Muon with AdamW for
   // embeddings) answers per weight.
   virtual granularity unit(std::size_t w) const noexcept = 0;
-  virtual std::size_t state_count() const noexcept = 0;  // 2 for Adam, 1 for Muon
+  // State buffers per element, the most any weight uses (Adam 2, Muon 1); a
+  // weight whose host buffers have no second state gets an empty state1.
+  virtual std::size_t state_count() const noexcept = 0;
   virtual void apply(const update_args& args) = 0;
 };
 
@@ -183,8 +185,20 @@ class engine {
   // Runs ZenFlow's work for the step whose backward just produced the
   // gradients on the device. Rethrows an error of the previous CPU step.
   step_report step();
-  // Waits for the CPU step in flight and uploads its result, so the device
-  // holds the newest parameters (before evaluation or a checkpoint).
+  // Waits for the CPU step in flight (if any) and makes its result the
+  // device's; returns how long it waited. step() does this itself at an
+  // update boundary, after the step's gradient; a trainer that knows the
+  // boundary is coming (a fixed update_interval: will_update()) calls it
+  // earlier, during that step's backward, so the next step does not wait for
+  // the gradient's trip to the host. Applying early changes no value: the
+  // window in flight never touches the columns the device updates.
+  std::chrono::nanoseconds apply_previous_window();
+  // Whether the step about to run (the next step() call) ends an update
+  // window; unknown (false) with update_interval "auto" until it has run.
+  bool will_update() const;
+  // Waits for the CPU step in flight and uploads its result, then closes the
+  // open window at once, so the device holds the newest parameters (before
+  // evaluation or a checkpoint).
   void finish();
 
   const schedule& resolved() const noexcept { return schedule_; }
