@@ -1,0 +1,68 @@
+// The pipelined optimizer step over state that lives on the host or on NVMe:
+// sub-groups streamed read(i+1) ‖ update(i) ‖ write(i-1).
+//
+// Each sub-group is a few blocks (master parameters, moments, gradient,
+// parameter copy...). For sub-group i the stream hints the store to load the
+// next `depth - 1` sub-groups into the host tier (traffic class
+// optimizer_stream), takes write leases on i's blocks, runs the caller's
+// update on them (the CPU optimizer; core knows none), releases them dirty and
+// asks the store to evict them, which writes them back home while the next
+// sub-group computes. The host tier's budget bounds the pinned memory used:
+// at most `depth` sub-groups plus the write-backs in flight.
+//
+// This is ZeRO-Infinity's pipelined optimizer swapper, on the store: the
+// read, the update and the write of neighbouring sub-groups overlap, and the
+// store's fair queue keeps the stream behind any demand fetch.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "tierflow/core/block.hpp"
+
+namespace tierflow {
+
+class block_store;
+
+// One sub-group: its blocks, and which of them the update writes.
+struct sub_group {
+  std::vector<block_id> blocks;
+  std::vector<access> modes;  // one per block; empty: all access::write
+};
+
+// The update of sub-group `index`: `buffers[k]` is the host copy of
+// `blocks[k]`, leased for the call. Runs on the calling thread.
+using sub_group_update = std::function<void(std::size_t index, std::span<const std::span<std::byte>> buffers)>;
+
+struct optimizer_stream_options {
+  std::size_t depth = 3;  // sub-groups resident at once: the one updating and depth-1 loading
+  tier_kind stage = tier_kind::host;  // where the update runs
+  // Evict written blocks after the update (the state goes home: NVMe). Off
+  // when the state lives in the stage tier already.
+  bool evict_after_update = true;
+  // false: no overlap at all — each sub-group is read, updated and written
+  // back before the next is touched (the non-pipelined swapper, for
+  // comparison). depth is then 1.
+  bool overlap_io = true;
+};
+
+struct optimizer_stream_stats {
+  std::chrono::nanoseconds total{0};
+  std::chrono::nanoseconds update{0};  // time in the caller's update
+  std::chrono::nanoseconds wait{0};    // time waiting for sub-groups to arrive
+  std::chrono::nanoseconds flush{0};   // time waiting for the last write-backs
+  std::uint64_t bytes = 0;             // bytes of the sub-groups' blocks
+};
+
+// Runs one optimizer step over `groups` in order. Throws what a load, a
+// write-back or the update threw (naming the block for I/O); state already
+// written back stays valid, and the failing sub-group's blocks keep their
+// previous contents unless the update itself had run.
+optimizer_stream_stats run_optimizer_stream(block_store& store, std::span<const sub_group> groups,
+                                            const sub_group_update& update,
+                                            const optimizer_stream_options& options = {});
+
+}  // namespace tierflow

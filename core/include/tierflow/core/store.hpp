@@ -1,0 +1,195 @@
+// The tiered block store: where every block's copies are, and the moves
+// between tiers that acquire, prefetch, evict and flush cause.
+//
+// The store owns the tiers and the links handed to it (tiers/ makes them; see
+// tiers/store_factory.hpp for the usual assembly). All bookkeeping is under
+// one lock, held only for bookkeeping: bytes move on the links' engine
+// threads, and a transfer's completion takes the lock to update the copies'
+// states and grant whatever waited on them.
+//
+// Coherence, in one paragraph: the home tier of a block always holds storage
+// for it. At most one lease writes a block at a time, and only while no other
+// lease and no transfer touches it. Releasing a write lease dirty makes that
+// copy the only holder of the newest bytes: other copies are dropped and the
+// home copy becomes absent (stale) until a write-back brings them home; a copy
+// loaded meanwhile from a dirty copy is dirty too. Evicting a dirty copy first
+// writes it back.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <set>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "tierflow/core/block.hpp"
+#include "tierflow/core/lease.hpp"
+#include "tierflow/core/link.hpp"
+#include "tierflow/core/telemetry.hpp"
+#include "tierflow/core/thread_annotations.hpp"
+#include "tierflow/core/tier.hpp"
+
+namespace tierflow {
+
+// A link to build: one direction between two tiers and its mover.
+struct link_spec {
+  tier_kind from = tier_kind::host;
+  tier_kind to = tier_kind::host;
+  std::unique_ptr<mover> engine;
+  unsigned engines = 2;  // transfers in flight at once on this link
+};
+
+struct store_options {
+  bool trace = true;                              // record trace events
+  std::size_t trace_capacity = std::size_t{1} << 20;  // events kept before dropping
+  fair_queue_weights weights{};
+};
+
+class block_store {
+ public:
+  // Takes the tiers (at most one per kind, at least one) and the links between
+  // them. A load from tier A to tier B needs a link A->B; a store with a tier
+  // but no link to or from it can only use it as a home. Throws user_error for
+  // duplicate tiers or a link naming a missing tier.
+  block_store(std::vector<std::unique_ptr<tier>> tiers, std::vector<link_spec> links,
+              store_options options = {});
+  // Waits for transfers in flight, then frees every copy. Every lease must
+  // have ended (granted ones are asserted), and no lease object may outlive
+  // the store.
+  ~block_store();
+  block_store(const block_store&) = delete;
+  block_store& operator=(const block_store&) = delete;
+
+  // Registers a block and allocates its storage in its home tier; the bytes
+  // are unspecified until written (acquire it with access::write). Throws
+  // user_error for a bad or duplicate description or a missing home tier,
+  // budget_exceeded when the home tier cannot hold it.
+  block_id create_block(block_desc desc) TF_EXCLUDES(mutex_);
+
+  std::size_t block_count() const TF_EXCLUDES(mutex_);
+  // The description of `id` (valid for the store's life).
+  const block_desc& describe(block_id id) const TF_EXCLUDES(mutex_);
+  std::optional<block_id> find(std::string_view name) const TF_EXCLUDES(mutex_);
+  bool has_tier(tier_kind kind) const noexcept { return tiers_[index_of(kind)] != nullptr; }
+  const tier& tier_of(tier_kind kind) const;
+
+  // Asks for `id`'s copy in `where` with `mode`; returns at once with a lease
+  // to wait() on. Loads the copy if absent (from the nearest tier holding the
+  // data, with class `cls`), evicting unleased copies least recently used
+  // first when the tier is full — a dirty one is written back first. If the
+  // tier's budget is held by leases the lease waits for their release.
+  // Throws budget_exceeded when the block can never fit in `where`, user_error
+  // for an unknown block or tier, or when `where` is a file tier and mode is
+  // write.
+  lease acquire(block_id id, tier_kind where, access mode = access::read,
+                traffic_class cls = traffic_class::demand) TF_EXCLUDES(mutex_);
+  // Ends a lease (granted or not). dirty::yes (write leases only, asserted)
+  // marks the copy as the newest contents. The lease is empty afterwards.
+  void release(lease&& l, dirty d) TF_EXCLUDES(mutex_);
+
+  // Hint: start loading `id` into `where` if it is absent and there is room
+  // without evicting dirty or leased copies; otherwise the hint is dropped
+  // (counted in telemetry). Never blocks, never throws for lack of room.
+  void prefetch(block_id id, tier_kind where, traffic_class cls = traffic_class::prefetch)
+      TF_EXCLUDES(mutex_);
+  // Hint: drop `id`'s copy in `where` (not its home) once it is unleased,
+  // writing it back first when dirty. Never blocks.
+  void evict(block_id id, tier_kind where) TF_EXCLUDES(mutex_);
+  // Writes every dirty copy back to its home tier and waits for all transfers.
+  // Throws the first transfer error seen since the last flush.
+  void flush() TF_EXCLUDES(mutex_);
+
+  // The state of `id`'s copy in `where` (a snapshot).
+  copy_state state(block_id id, tier_kind where) const TF_EXCLUDES(mutex_);
+  // Checks every invariant (aborts on a broken one): budgets, at most one
+  // writer, no writer beside readers or transfers, dirty implies a stale home,
+  // storage present exactly for non-absent copies and homes.
+  void check_invariants() const TF_EXCLUDES(mutex_);
+
+  store_telemetry telemetry() const TF_EXCLUDES(mutex_);
+  std::string telemetry_json() const { return to_json(telemetry()); }
+  // The trace of every transfer and every blocking wait (Chrome trace_event).
+  void write_trace(std::ostream& out) const;
+
+ private:
+  friend class lease;
+
+  struct copy_record {
+    copy_state state = copy_state::absent;
+    tier_allocation storage;
+    std::uint32_t readers = 0;
+    bool writer = false;
+    std::uint32_t sources = 0;     // transfers reading from this copy
+    bool evict_requested = false;  // drop once unleased (after a write-back if dirty)
+    std::uint64_t last_use = 0;    // LRU clock
+  };
+  struct block_record {
+    block_desc desc;
+    std::uint64_t bytes = 0;  // aligned size
+    std::array<copy_record, tier_count> copies{};
+    std::deque<std::shared_ptr<detail::lease_state>> waiters;  // FIFO of ungranted leases
+    std::uint32_t transfers = 0;  // in flight, from or to any of its copies
+    std::uint32_t leases = 0;     // granted, on any tier
+  };
+
+  block_record& record(block_id id) TF_REQUIRES(mutex_);
+  const block_record& record(block_id id) const TF_REQUIRES(mutex_);
+  void set_state(block_record& b, tier_kind t, copy_state to) TF_REQUIRES(mutex_);
+  void pump(block_id id) TF_REQUIRES(mutex_);
+  void apply_write(block_id id, tier_kind t) TF_REQUIRES(mutex_);
+  void fail_waiters(block_record& b, tier_kind t, std::exception_ptr error) TF_REQUIRES(mutex_);
+  void wait_idle() TF_EXCLUDES(mutex_);
+  static bool writer_active(const block_record& b);
+  static bool has_waiter(const block_record& b, tier_kind t);
+  bool try_grant(block_id id, detail::lease_state& w, bool writer_ahead) TF_REQUIRES(mutex_);
+  void start_load(block_id id, tier_kind to, traffic_class cls, bool hint) TF_REQUIRES(mutex_);
+  void start_writeback(block_id id, tier_kind from, traffic_class cls) TF_REQUIRES(mutex_);
+  bool make_room(tier_kind t, std::uint64_t bytes, traffic_class cls, bool hint)
+      TF_REQUIRES(mutex_);
+  bool droppable(const block_record& b, tier_kind t) const TF_REQUIRES(mutex_);
+  void drop(block_id id, tier_kind t) TF_REQUIRES(mutex_);
+  void settle_evictions(block_id id) TF_REQUIRES(mutex_);
+  void submit(block_id id, tier_kind from, tier_kind to, traffic_class cls) TF_REQUIRES(mutex_);
+  void on_transfer_done(block_id id, tier_kind from, tier_kind to, std::exception_ptr error)
+      TF_EXCLUDES(mutex_);
+  void schedule(block_id id) TF_REQUIRES(mutex_);
+  void wake_space_waiters(tier_kind t) TF_REQUIRES(mutex_);
+  void drain() TF_REQUIRES(mutex_);
+  void end_lease(detail::lease_state& s, dirty d) TF_EXCLUDES(mutex_);
+  void record_wait(const detail::lease_state& s, std::chrono::steady_clock::time_point start,
+                   std::chrono::steady_clock::time_point end, bool blocked);
+  void check_invariants_locked() const TF_REQUIRES(mutex_);
+
+  const std::chrono::steady_clock::time_point created_at_;
+  std::array<std::unique_ptr<tier>, tier_count> tiers_;
+  std::unique_ptr<trace_recorder> trace_;
+
+  mutable mutex mutex_;
+  std::condition_variable idle_cv_;  // transfers_in_flight_ reached 0; with mutex_.native()
+  std::deque<block_record> blocks_ TF_GUARDED_BY(mutex_);  // deque: records never move
+  std::unordered_map<std::string, block_id> by_name_ TF_GUARDED_BY(mutex_);
+  std::array<std::set<std::uint32_t>, tier_count> space_waiters_ TF_GUARDED_BY(mutex_);
+  std::deque<std::uint32_t> worklist_ TF_GUARDED_BY(mutex_);
+  bool draining_ TF_GUARDED_BY(mutex_) = false;
+  std::uint64_t clock_ TF_GUARDED_BY(mutex_) = 0;
+  std::uint64_t transfers_in_flight_ TF_GUARDED_BY(mutex_) = 0;
+  std::exception_ptr first_error_ TF_GUARDED_BY(mutex_);
+  store_telemetry counters_ TF_GUARDED_BY(mutex_);  // the store-wide counters
+  std::array<std::uint64_t, tier_count> loads_ TF_GUARDED_BY(mutex_){};
+  std::array<std::uint64_t, tier_count> evictions_ TF_GUARDED_BY(mutex_){};
+
+  // Links last: destroyed first, so their engines finish (and call back into
+  // the store) while everything above is still alive.
+  std::array<std::array<std::unique_ptr<link>, tier_count>, tier_count> links_;
+};
+
+}  // namespace tierflow

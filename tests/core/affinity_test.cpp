@@ -1,0 +1,45 @@
+#include "tierflow/core/affinity.hpp"
+
+#include <algorithm>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "tierflow/core/error.hpp"
+
+namespace tierflow {
+namespace {
+
+TEST(Affinity, SplitCoversEveryCpuOnce) {
+  const auto cpus = current_affinity();
+  ASSERT_FALSE(cpus.empty());
+  for (double share : {0.0, 0.25, 0.5, 0.75, 0.99}) {
+    const core_split s = split_cores(share);
+    EXPECT_FALSE(s.optimizer.empty());
+    if (cpus.size() > 1) {
+      std::vector<int> all = s.trainer;
+      all.insert(all.end(), s.optimizer.begin(), s.optimizer.end());
+      std::sort(all.begin(), all.end());
+      EXPECT_EQ(all, cpus) << share;
+      if (share > 0) EXPECT_FALSE(s.trainer.empty()) << share;
+    }
+  }
+  EXPECT_THROW(split_cores(1.0), user_error);
+  EXPECT_THROW(split_cores(-0.1), user_error);
+}
+
+TEST(Affinity, PinningAThreadNarrowsItsMask) {
+  const auto cpus = current_affinity();
+  std::vector<int> seen;
+  std::thread t([&] {
+    pin_current_thread(std::span(cpus).last(1));
+    seen = current_affinity();
+  });
+  t.join();
+  EXPECT_EQ(seen, std::vector<int>{cpus.back()});
+  EXPECT_EQ(current_affinity(), cpus);  // other threads keep theirs
+  EXPECT_THROW(pin_current_thread(std::vector<int>{CPU_SETSIZE - 1}), error);
+}
+
+}  // namespace
+}  // namespace tierflow

@@ -1,0 +1,33 @@
+// Carves fixed ranges out of one region: first fit over a free list that
+// merges neighbours. Offsets and sizes are multiples of block_alignment.
+// Not thread-safe (the tier owning it holds a lock).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+
+namespace tierflow::tiers {
+
+class range_pool {
+ public:
+  explicit range_pool(std::uint64_t capacity);
+
+  // The offset of a free range of `bytes`, the lowest that fits, or nullopt.
+  std::optional<std::uint64_t> allocate(std::uint64_t bytes);
+  // Returns [offset, offset + bytes), taken earlier by allocate(). Freeing
+  // what was not allocated is a bug (asserted).
+  void free(std::uint64_t offset, std::uint64_t bytes);
+
+  std::uint64_t capacity() const noexcept { return capacity_; }
+  std::uint64_t free_bytes() const noexcept { return free_bytes_; }
+  std::uint64_t largest_free() const noexcept;
+  std::size_t fragments() const noexcept { return free_.size(); }
+
+ private:
+  std::uint64_t capacity_;
+  std::uint64_t free_bytes_;
+  std::map<std::uint64_t, std::uint64_t> free_;  // offset -> length; disjoint, never adjacent
+};
+
+}  // namespace tierflow::tiers
