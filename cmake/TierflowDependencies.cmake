@@ -17,3 +17,19 @@ endif()
 if(TIERFLOW_BUILD_BENCH)
   find_package(benchmark REQUIRED)
 endif()
+
+# optim/: Highway for the run-time-dispatched SIMD kernels; oneDNN for Muon's
+# GEMMs (bf16 on AVX512-BF16/AMX, fp32 elsewhere — Debian's OpenBLAS has no
+# bf16 GEMM), whose Debian build runs on OpenMP. Debian's dnnl-config.cmake
+# insists on OpenCL (its GPU runtime), which tierflow never uses: the library
+# and header are found directly instead.
+find_package(hwy REQUIRED)
+find_package(OpenMP REQUIRED COMPONENTS CXX)
+find_path(TIERFLOW_DNNL_INCLUDE_DIR oneapi/dnnl/dnnl.hpp REQUIRED)
+find_library(TIERFLOW_DNNL_LIBRARY NAMES dnnl REQUIRED)
+if(NOT TARGET DNNL::dnnl)
+  add_library(DNNL::dnnl UNKNOWN IMPORTED)
+  set_target_properties(DNNL::dnnl PROPERTIES
+    IMPORTED_LOCATION ${TIERFLOW_DNNL_LIBRARY}
+    INTERFACE_INCLUDE_DIRECTORIES ${TIERFLOW_DNNL_INCLUDE_DIR})
+endif()

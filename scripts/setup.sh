@@ -2,8 +2,8 @@
 # Installs everything tierflow needs on a fresh Debian 12 machine, as root.
 # Idempotent: when every package is already present it only checks and returns.
 #
-#   scripts/setup.sh            system packages (build, test, benchmark peers)
-#   scripts/setup.sh --python   also the Python venv at .venv/ (later steps)
+#   scripts/setup.sh            system packages (build, test, fio as the I/O peer)
+#   scripts/setup.sh --bench    also the Python benchmark peers (torch, deepspeed) in .venv/
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -13,8 +13,8 @@ apt_packages=(
   liburing-dev libtbb-dev libhwloc-dev libnuma-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev
-  libhwy-dev libxxhash-dev libopenblas-dev
-  fio util-linux e2fsprogs
+  libhwy-dev libxxhash-dev libdnnl-dev
+  fio jq util-linux e2fsprogs
 )
 
 missing=()
@@ -33,11 +33,11 @@ if ((${#missing[@]})); then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-if [[ ${1:-} == --python ]]; then
+if [[ ${1:-} == --bench ]]; then
   if [[ ! -x $here/.venv/bin/python ]]; then
     python3 -m venv "$here/.venv"
   fi
   "$here/.venv/bin/pip" install -q --upgrade pip >/dev/null
-  "$here/.venv/bin/pip" install -q -r "$here/scripts/requirements.txt"
+  "$here/.venv/bin/pip" install -q -r "$here/scripts/requirements-bench.txt"
 fi
 echo "setup.sh: dependencies present"

@@ -1,0 +1,64 @@
+// Where an optimizer step runs: how many CPU threads and which SIMD target.
+//
+// The trainer keeps some cores for itself, so the caller sets the number of
+// threads; every optimizer step runs inside this executor's oneTBB arena and
+// never on more threads. The SIMD target is probed at run time (Highway's
+// dynamic dispatch): one binary runs AVX-512, AVX2, SSE4 or the portable
+// scalar path on x86-64, SVE or NEON on ARM.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <utility>
+
+#include <oneapi/tbb/task_arena.h>
+
+#include "tierflow/optim/tensor.hpp"
+
+namespace tierflow::optim {
+
+// The SIMD targets compiled into this binary and usable on this CPU, best
+// first, named "avx512", "avx2", "sse4", "scalar" (x86-64) or "sve2", "sve",
+// "neon", "scalar" (ARM). "scalar" (portable 128-bit emulation) is always there.
+std::vector<std::string> simd_targets();
+
+class executor {
+ public:
+  // `threads` >= 1 worker threads (the calling thread counts as one of them).
+  // `simd` is "auto" (the best of simd_targets()) or one of its names.
+  // Throws user_error for threads < 1 or a target not in simd_targets().
+  explicit executor(int threads = 1, std::string_view simd = "auto");
+
+  int threads() const noexcept { return threads_; }
+  // The chosen target's name, as simd_targets() spells it.
+  const std::string& simd() const noexcept { return simd_name_; }
+
+  // Runs `body` inside the arena (so nested parallel loops use at most
+  // threads() threads). For the optimizers; usable by a scheduler too.
+  template <class Body>
+  decltype(auto) run(Body&& body) {
+    return arena_.execute(std::forward<Body>(body));
+  }
+
+  // The Highway target bit; for the kernels (optim/src).
+  std::int64_t target() const noexcept { return target_; }
+
+ private:
+  int threads_;
+  std::int64_t target_;
+  std::string simd_name_;
+  tbb::task_arena arena_;
+};
+
+// Writes zeros over `buffer` with the executor's threads, in the same
+// element-range-to-thread partition the optimizer steps use, so that on a
+// multi-socket host each page is first touched (and so placed) on the NUMA
+// node of the thread that will stream it. Call once, right after allocating
+// the sub-group's buffers and before the first step.
+void first_touch(executor& ex, tensor_ref buffer);
+
+}  // namespace tierflow::optim

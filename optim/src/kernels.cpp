@@ -1,0 +1,348 @@
+// Highway kernels, compiled once per SIMD target (foreach_target.h re-includes
+// this file for each) and chosen at run time by the executor's target.
+//
+// Every attainable target is compiled, including EMU128 (portable scalar), so
+// the differential tests can run each against it; SSSE3 is left out (a CPU
+// with it and without SSE4 gets EMU128).
+#ifndef HWY_COMPILE_ALL_ATTAINABLE
+#define HWY_COMPILE_ALL_ATTAINABLE
+#endif
+#ifndef HWY_DISABLED_TARGETS
+#define HWY_DISABLED_TARGETS HWY_SSSE3
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels.hpp"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
+namespace tierflow::optim::detail {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+template <class D>
+using u16_of = hn::Rebind<std::uint16_t, D>;
+
+// ---- conversions -----------------------------------------------------------
+// Highway 1.0's bf16 DemoteTo truncates and its emulated fp16 DemoteTo
+// truncates too (and its emulated fp16 PromoteTo mishandles inf), while PyTorch rounds to nearest even: these integer versions
+// round correctly on every target (and cost nothing in a memory-bound pass).
+
+template <class D>
+HWY_INLINE hn::Vec<u16_of<D>> to_bf16_bits(D d, hn::Vec<D> v) {
+  const hn::RebindToUnsigned<D> du32;
+  const hn::RebindToSigned<D> di32;
+  const auto bits = hn::BitCast(du32, v);
+  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 1u));
+  const auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(lsb, hn::Set(du32, 0x7FFFu))));
+  const auto quiet_nan = hn::ShiftRight<16>(hn::Or(bits, hn::Set(du32, 0x00400000u)));
+  const auto r = hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)), quiet_nan, rounded);
+  (void)d;
+  return hn::DemoteTo(u16_of<D>(), hn::BitCast(di32, r));  // r <= 0xFFFF: exact
+}
+
+// binary32 → binary16, nearest even, overflow to inf, subnormals, NaN kept
+// quiet. Every intermediate stays within int32 (no wrap-around).
+template <class D>
+HWY_INLINE hn::Vec<u16_of<D>> to_f16_bits(D d, hn::Vec<D> v) {
+  const hn::RebindToUnsigned<D> du32;
+  const hn::RebindToSigned<D> di32;
+  const auto bits = hn::BitCast(di32, v);
+  const auto magnitude = hn::And(bits, hn::Set(di32, 0x7FFFFFFF));
+  const auto sign16 =
+      hn::BitCast(di32, hn::ShiftRight<16>(hn::And(hn::BitCast(du32, v), hn::Set(du32, 0x80000000u))));
+  // |v| >= 65536 (2^16): inf, or a quiet NaN for NaN inputs.
+  const auto inf_nan = hn::IfThenElse(hn::Gt(magnitude, hn::Set(di32, 0x7F800000)),
+                                      hn::Set(di32, 0x7E00), hn::Set(di32, 0x7C00));
+  // |v| < 2^-14: the float adder aligns the mantissa and rounds it for us.
+  const auto magic = hn::Set(di32, 126 << 23);
+  const auto subnormal =
+      hn::Sub(hn::BitCast(di32, hn::Add(hn::BitCast(d, magnitude), hn::BitCast(d, magic))), magic);
+  // Normal range: rebias the exponent, round the 13 dropped bits to even.
+  const auto odd = hn::And(hn::ShiftRight<13>(magnitude), hn::Set(di32, 1));
+  const auto normal = hn::ShiftRight<13>(
+      hn::Add(hn::Add(hn::Sub(magnitude, hn::Set(di32, 112 << 23)), hn::Set(di32, 0xFFF)), odd));
+  auto r = hn::IfThenElse(hn::Lt(magnitude, hn::Set(di32, 113 << 23)), subnormal, normal);
+  r = hn::IfThenElse(hn::Gt(magnitude, hn::Set(di32, (143 << 23) - 1)), inf_nan, r);
+  return hn::DemoteTo(u16_of<D>(), hn::Or(r, sign16));  // within [0, 0xFFFF]: exact
+}
+
+// binary16 → binary32, exact for every pattern (Highway 1.0's emulated
+// PromoteTo, used by the SSE4 target, turns inf into 65536).
+template <class D>
+HWY_INLINE hn::Vec<D> from_f16_bits(D d, hn::Vec<u16_of<D>> raw) {
+  const hn::RebindToUnsigned<D> du32;
+  const auto h = hn::PromoteTo(du32, raw);
+  const auto exp_mask = hn::Set(du32, 0x7C00u << 13);
+  auto o = hn::ShiftLeft<13>(hn::And(h, hn::Set(du32, 0x7FFFu)));  // exponent and mantissa
+  const auto e = hn::And(o, exp_mask);
+  o = hn::Add(o, hn::Set(du32, 112u << 23));                        // rebias 15 → 127
+  // inf / NaN: rebias once more, to exponent 255.
+  o = hn::IfThenElse(hn::Eq(e, exp_mask), hn::Add(o, hn::Set(du32, 112u << 23)), o);
+  // zero / subnormal: let the float subtraction renormalize.
+  const auto renorm = hn::BitCast(
+      du32, hn::Sub(hn::BitCast(d, hn::Add(o, hn::Set(du32, 1u << 23))), hn::BitCast(d, hn::Set(du32, 113u << 23))));
+  o = hn::IfThenElse(hn::Eq(e, hn::Zero(du32)), renorm, o);
+  return hn::BitCast(d, hn::Or(o, hn::ShiftLeft<16>(hn::And(h, hn::Set(du32, 0x8000u)))));
+}
+
+template <dtype T, class D>
+HWY_INLINE hn::Vec<D> load_f32(D d, const void* base, std::size_t i) {
+  if constexpr (T == dtype::fp32) {
+    return hn::LoadU(d, static_cast<const float*>(base) + i);
+  } else if constexpr (T == dtype::bf16) {
+    const hn::RebindToUnsigned<D> du32;
+    const auto raw = hn::LoadU(u16_of<D>(), static_cast<const std::uint16_t*>(base) + i);
+    return hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(du32, raw)));
+  } else {
+    return from_f16_bits(d, hn::LoadU(u16_of<D>(), static_cast<const std::uint16_t*>(base) + i));
+  }
+}
+
+template <dtype T, class D>
+HWY_INLINE void store_f32(D d, hn::Vec<D> v, void* base, std::size_t i) {
+  if constexpr (T == dtype::fp32) {
+    hn::StoreU(v, d, static_cast<float*>(base) + i);
+  } else if constexpr (T == dtype::bf16) {
+    hn::StoreU(to_bf16_bits(d, v), u16_of<D>(), static_cast<std::uint16_t*>(base) + i);
+  } else {
+    hn::StoreU(to_f16_bits(d, v), u16_of<D>(), static_cast<std::uint16_t*>(base) + i);
+  }
+}
+
+// Calls f(std::integral_constant<dtype, T>) for the run-time dtype `t`.
+template <class F>
+HWY_INLINE void with_dtype(dtype t, F&& f) {
+  switch (t) {
+    case dtype::fp32: f(std::integral_constant<dtype, dtype::fp32>{}); return;
+    case dtype::bf16: f(std::integral_constant<dtype, dtype::bf16>{}); return;
+    case dtype::fp16: f(std::integral_constant<dtype, dtype::fp16>{}); return;
+  }
+}
+
+// ---- Adam ------------------------------------------------------------------
+
+template <dtype G, dtype S, copy_kind C, bool Ams, bool Decoupled, class D>
+HWY_INLINE void adam_lanes(D d, const adam_kernel_args& a, std::size_t i) {
+  auto g = hn::Mul(load_f32<G>(d, a.grad, i), hn::Set(d, a.grad_scale));
+  auto p = hn::LoadU(d, a.param + i);
+  if constexpr (!Decoupled) g = hn::MulAdd(hn::Set(d, a.l2), p, g);  // Adam: g += wd * p
+  auto m = load_f32<S>(d, a.exp_avg, i);
+  auto v = load_f32<S>(d, a.exp_avg_sq, i);
+  m = hn::MulAdd(hn::Set(d, a.one_minus_beta1), hn::Sub(g, m), m);
+  v = hn::MulAdd(hn::Set(d, a.one_minus_beta2), hn::Mul(g, g), hn::Mul(hn::Set(d, a.beta2), v));
+  // The moments leave first: their stores do not wait for the sqrt and divide.
+  store_f32<S>(d, m, a.exp_avg, i);
+  store_f32<S>(d, v, a.exp_avg_sq, i);
+  auto v_hat = v;
+  if constexpr (Ams) {
+    v_hat = hn::Max(load_f32<S>(d, a.max_exp_avg_sq, i), v);
+    store_f32<S>(d, v_hat, a.max_exp_avg_sq, i);
+  }
+  const auto denom = hn::MulAdd(hn::Sqrt(v_hat), hn::Set(d, a.inv_bc2_sqrt), hn::Set(d, a.eps));
+  // AdamW's decay and the Adam update leave p in one subtraction, so p is
+  // rounded once per step (torch's mul_ then addcdiv_ rounds twice, which
+  // drifts ~3e-6 from exact arithmetic over 100 steps).
+  if constexpr (Decoupled) {
+    p = hn::Sub(p, hn::MulAdd(hn::Set(d, a.step_size), hn::Div(m, denom), hn::Mul(hn::Set(d, a.lr_wd), p)));
+  } else {
+    p = hn::NegMulAdd(hn::Set(d, a.step_size), hn::Div(m, denom), p);
+  }
+  store_f32<dtype::fp32>(d, p, a.param, i);
+  if constexpr (C == copy_kind::bf16) store_f32<dtype::bf16>(d, p, a.param_copy, i);
+  if constexpr (C == copy_kind::fp16) store_f32<dtype::fp16>(d, p, a.param_copy, i);
+}
+
+template <dtype G, dtype S, copy_kind C, bool Ams, bool Decoupled>
+HWY_NOINLINE void adam_loop(const adam_kernel_args& a, std::size_t begin, std::size_t end) {
+  const hn::ScalableTag<float> d;
+  const std::size_t lanes = hn::Lanes(d);
+  std::size_t i = begin;
+  // Two vectors per iteration (measured: as fast as one; kept for cores with
+  // fewer load buffers per loop). Tried on Zen 4 and left out: software
+  // prefetch 2, 4 and 8 KiB ahead (no faster, or clearly slower beyond 2 KiB)
+  // and non-temporal stores (30% slower: the lines were just read, so
+  // streaming them out only adds evictions).
+  for (; i + 2 * lanes <= end; i += 2 * lanes) {
+    adam_lanes<G, S, C, Ams, Decoupled>(d, a, i);
+    adam_lanes<G, S, C, Ams, Decoupled>(d, a, i + lanes);
+  }
+  for (; i + lanes <= end; i += lanes) adam_lanes<G, S, C, Ams, Decoupled>(d, a, i);
+  const hn::CappedTag<float, 1> d1;
+  for (; i < end; ++i) adam_lanes<G, S, C, Ams, Decoupled>(d1, a, i);
+}
+
+void AdamRange(const adam_kernel_args& a, std::size_t begin, std::size_t end) {
+  with_dtype(a.grad_type, [&](auto g) {
+    with_dtype(a.state_type, [&](auto s) {
+      if constexpr (s.value != dtype::fp16) {  // fp16 moments are refused upstream
+        auto run = [&](auto copy) {
+          const bool decoupled = a.l2 == 0.0f;  // AdamW, or Adam without weight decay
+          if (a.amsgrad) {
+            if (decoupled) adam_loop<g.value, s.value, copy.value, true, true>(a, begin, end);
+            else adam_loop<g.value, s.value, copy.value, true, false>(a, begin, end);
+          } else {
+            if (decoupled) adam_loop<g.value, s.value, copy.value, false, true>(a, begin, end);
+            else adam_loop<g.value, s.value, copy.value, false, false>(a, begin, end);
+          }
+        };
+        switch (a.copy) {
+          case copy_kind::none: run(std::integral_constant<copy_kind, copy_kind::none>{}); break;
+          case copy_kind::bf16: run(std::integral_constant<copy_kind, copy_kind::bf16>{}); break;
+          case copy_kind::fp16: run(std::integral_constant<copy_kind, copy_kind::fp16>{}); break;
+        }
+      }
+    });
+  });
+}
+
+// ---- non-finite check ----------------------------------------------------------
+// x * 0 is 0 for finite x and NaN for inf or NaN: one FMA per vector, no
+// mask traffic; the accumulator turns NaN for the first bad element and stays so.
+
+template <dtype T>
+HWY_NOINLINE bool all_finite_loop(const void* data, float scale, std::size_t begin, std::size_t end) {
+  const hn::ScalableTag<float> d;
+  const std::size_t lanes = hn::Lanes(d);
+  const auto zero = hn::Zero(d);
+  const auto s = hn::Set(d, scale);
+  auto acc = hn::Zero(d);
+  std::size_t i = begin;
+  for (; i + lanes <= end; i += lanes) acc = hn::MulAdd(hn::Mul(load_f32<T>(d, data, i), s), zero, acc);
+  if (!hn::AllFalse(d, hn::IsNaN(acc))) return false;
+  const hn::CappedTag<float, 1> d1;
+  auto acc1 = hn::Zero(d1);
+  for (; i < end; ++i)
+    acc1 = hn::MulAdd(hn::Mul(load_f32<T>(d1, data, i), hn::Set(d1, scale)), hn::Zero(d1), acc1);
+  return hn::AllFalse(d1, hn::IsNaN(acc1));
+}
+
+bool AllFinite(const void* data, dtype type, float scale, std::size_t begin, std::size_t end) {
+  bool ok = true;
+  with_dtype(type, [&](auto t) { ok = all_finite_loop<t.value>(data, scale, begin, end); });
+  return ok;
+}
+
+// ---- the STREAM-style bound ----------------------------------------------------
+
+void StreamRange(float* p, const float* g, float* m, float* v, std::size_t begin, std::size_t end) {
+  const hn::ScalableTag<float> d;
+  const std::size_t lanes = hn::Lanes(d);
+  std::size_t i = begin;
+  for (; i + lanes <= end; i += lanes) {
+    const auto gv = hn::LoadU(d, g + i);
+    hn::StoreU(hn::Add(hn::LoadU(d, p + i), gv), d, p + i);
+    hn::StoreU(hn::Add(hn::LoadU(d, m + i), gv), d, m + i);
+    hn::StoreU(hn::Add(hn::LoadU(d, v + i), gv), d, v + i);
+  }
+  for (; i < end; ++i) {
+    p[i] += g[i];
+    m[i] += g[i];
+    v[i] += g[i];
+  }
+}
+
+// ---- conversions ------------------------------------------------------------------
+
+template <dtype S, dtype T>
+HWY_NOINLINE void convert_loop(const void* src, void* dst, float scale, std::size_t begin,
+                               std::size_t end) {
+  const hn::ScalableTag<float> d;
+  const std::size_t lanes = hn::Lanes(d);
+  std::size_t i = begin;
+  for (; i + lanes <= end; i += lanes)
+    store_f32<T>(d, hn::Mul(load_f32<S>(d, src, i), hn::Set(d, scale)), dst, i);
+  const hn::CappedTag<float, 1> d1;
+  for (; i < end; ++i) store_f32<T>(d1, hn::Mul(load_f32<S>(d1, src, i), hn::Set(d1, scale)), dst, i);
+}
+
+void ConvertRange(const void* src, dtype src_type, void* dst, dtype dst_type, float scale,
+                  std::size_t begin, std::size_t end) {
+  with_dtype(src_type, [&](auto s) {
+    with_dtype(dst_type, [&](auto t) { convert_loop<s.value, t.value>(src, dst, scale, begin, end); });
+  });
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace tierflow::optim::detail
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace tierflow::optim::detail {
+
+HWY_EXPORT(AdamRange);
+HWY_EXPORT(AllFinite);
+HWY_EXPORT(StreamRange);
+HWY_EXPORT(ConvertRange);
+
+namespace {
+
+// The slot of `target` in an HWY_EXPORT table (Highway's ChosenTarget layout:
+// one slot per target bit, the last for EMU128/SCALAR). Indexing the table
+// ourselves keeps the choice per executor instead of process-wide.
+std::size_t table_index(std::int64_t target) {
+  return hwy::Num0BitsBelowLS1Bit_Nonzero64(static_cast<std::uint64_t>(
+      HWY_CHOSEN_TARGET_SHIFT(target) | HWY_CHOSEN_TARGET_MASK_SCALAR));
+}
+
+const char* target_name(std::int64_t target) {
+  switch (target) {
+#if HWY_ARCH_X86
+    case HWY_AVX3_DL: return "avx512-dl";
+    case HWY_AVX3: return "avx512";
+    case HWY_AVX2: return "avx2";
+    case HWY_SSE4: return "sse4";
+    case HWY_SSSE3: return "ssse3";
+#endif
+#if HWY_ARCH_ARM
+    case HWY_SVE2_128: return "sve2-128";
+    case HWY_SVE_256: return "sve-256";
+    case HWY_SVE2: return "sve2";
+    case HWY_SVE: return "sve";
+    case HWY_NEON: return "neon";
+#endif
+    case HWY_EMU128: return "scalar";
+    case HWY_SCALAR: return "scalar";
+    default: return hwy::TargetName(target);
+  }
+}
+
+}  // namespace
+
+std::vector<std::pair<std::int64_t, std::string>> available_targets() {
+  std::vector<std::pair<std::int64_t, std::string>> out;
+  // Lower bits are better targets: walk from the lowest set bit up.
+  for (std::int64_t t : hwy::SupportedAndGeneratedTargets()) out.emplace_back(t, target_name(t));
+  return out;
+}
+
+void adam_range(std::int64_t target, const adam_kernel_args& args, std::size_t begin,
+                std::size_t end) {
+  HWY_DISPATCH_TABLE(AdamRange)[table_index(target)](args, begin, end);
+}
+
+bool all_finite(std::int64_t target, const void* data, dtype type, float scale,
+                std::size_t begin, std::size_t end) {
+  return HWY_DISPATCH_TABLE(AllFinite)[table_index(target)](data, type, scale, begin, end);
+}
+
+void stream_range(std::int64_t target, float* p, const float* g, float* m, float* v,
+                  std::size_t begin, std::size_t end) {
+  HWY_DISPATCH_TABLE(StreamRange)[table_index(target)](p, g, m, v, begin, end);
+}
+
+void convert_range(std::int64_t target, const void* src, dtype src_type, void* dst,
+                   dtype dst_type, float scale, std::size_t begin, std::size_t end) {
+  HWY_DISPATCH_TABLE(ConvertRange)[table_index(target)](src, src_type, dst, dst_type, scale,
+                                                         begin, end);
+}
+
+}  // namespace tierflow::optim::detail
+#endif  // HWY_ONCE

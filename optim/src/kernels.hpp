@@ -1,0 +1,63 @@
+// The SIMD kernels behind the optimizers, one entry point per kernel family.
+// Each takes the Highway target to run (an executor's choice, so a test can
+// force every compiled target without touching global state) and one range of
+// elements; the callers in adam.cpp / muon.cpp split the work into tiles and
+// spread the tiles over the executor's threads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tierflow/core/dtype.hpp"
+
+namespace tierflow::optim::detail {
+
+// The target bits (Highway's HWY_* values) compiled in and supported here,
+// best first, with tierflow's name for each.
+std::vector<std::pair<std::int64_t, std::string>> available_targets();
+
+enum class copy_kind : unsigned char { none, bf16, fp16 };
+
+// Every per-step constant of Adam, precomputed once per step (see adam.hpp).
+struct adam_kernel_args {
+  float* param = nullptr;
+  const void* grad = nullptr;
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  void* max_exp_avg_sq = nullptr;  // with amsgrad only
+  void* param_copy = nullptr;      // with copy != none only
+  dtype grad_type = dtype::fp32;
+  dtype state_type = dtype::fp32;
+  copy_kind copy = copy_kind::none;
+  bool amsgrad = false;
+  float grad_scale = 1.0f;
+  float l2 = 0.0f;            // Adam's weight decay folded into the gradient
+  float lr_wd = 0.0f;         // AdamW's lr * weight_decay (0 for Adam)
+  float beta1 = 0.9f;
+  float one_minus_beta1 = 0.1f;
+  float beta2 = 0.999f;
+  float one_minus_beta2 = 0.001f;
+  float step_size = 1e-3f;    // lr / (1 - beta1^t)
+  float inv_bc2_sqrt = 1.0f;  // 1 / sqrt(1 - beta2^t)
+  float eps = 1e-8f;
+};
+
+void adam_range(std::int64_t target, const adam_kernel_args& args, std::size_t begin,
+                std::size_t end);
+
+// True when every element of data[begin, end) times `scale` is finite.
+bool all_finite(std::int64_t target, const void* data, dtype type, float scale,
+                std::size_t begin, std::size_t end);
+
+// The STREAM-style Adam-shaped pass: p += g, m += g, v += g.
+void stream_range(std::int64_t target, float* p, const float* g, float* m, float* v,
+                  std::size_t begin, std::size_t end);
+
+// dst[i] = src[i] * scale, converted (round to nearest even when narrowing).
+void convert_range(std::int64_t target, const void* src, dtype src_type, void* dst,
+                   dtype dst_type, float scale, std::size_t begin, std::size_t end);
+
+}  // namespace tierflow::optim::detail

@@ -1,0 +1,344 @@
+#include "tierflow/optim/muon.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <omp.h>
+
+#include <dnnl.hpp>
+
+#include "kernels.hpp"
+#include "validate.hpp"
+
+namespace tierflow::optim {
+
+// oneDNN's CPU runtime in the Debian build is OpenMP: its GEMMs run on the
+// calling thread's OpenMP team, sized per call from the executor. The
+// element-wise passes here use the same team (not oneTBB), so the two kinds of
+// work never compete for the cores within one step.
+
+namespace {
+
+using dt = dnnl::memory::data_type;
+using tag = dnnl::memory::format_tag;
+
+// bf16 pattern → float (exact) and float → bf16 value (nearest even), for the
+// small m × m passes that do not go through the Highway kernels.
+inline float bf16_to_float(std::uint16_t b) {
+  const std::uint32_t bits = static_cast<std::uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline std::uint16_t float_to_bf16(float f) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &f, sizeof f);
+  if (std::isnan(f)) return static_cast<std::uint16_t>((bits | 0x00400000u) >> 16);
+  return static_cast<std::uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// The three matmuls of one Newton–Schulz iteration for X of m × n (m <= n):
+//   gram:   A  = X Xᵀ        (m × m; bf16 out in bf16 mode, as torch rounds it)
+//   square: A2 = A A         (m × m, fp32 out: combined with A and I next)
+//   update: X' = B X         (m × n; B = c A2 + b A + a I)
+struct ns_plan {
+  dnnl::matmul gram, square, update;
+  dnnl::memory::desc x_md, xt_md, a_md, a2_md, b_md, y_md;
+};
+
+}  // namespace
+
+struct muon_optimizer::workspace {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  dnnl::stream stream{engine};
+  std::map<std::tuple<std::size_t, std::size_t, dtype>, ns_plan> plans;
+  // fp32 mode uses the float buffers only; bf16 mode keeps X, A and B in bf16.
+  std::vector<float> u;               // the momentum-combined update, rows × cols
+  std::vector<float> x32[2], a32, a2;  // m × n (two: ping-pong), m × m, m × m
+  std::vector<std::uint16_t> x16[2], a16, b16;
+
+  const ns_plan& plan(std::size_t m, std::size_t n, dtype gemm) {
+    const auto key = std::make_tuple(m, n, gemm);
+    auto it = plans.find(key);
+    if (it != plans.end()) return it->second;
+    const dt t = gemm == dtype::bf16 ? dt::bf16 : dt::f32;
+    const auto M = static_cast<dnnl::memory::dim>(m), N = static_cast<dnnl::memory::dim>(n);
+    ns_plan p;
+    p.x_md = dnnl::memory::desc({M, N}, t, tag::ab);
+    p.xt_md = dnnl::memory::desc({N, M}, t, tag::ba);  // Xᵀ as a view of X's buffer
+    p.a_md = dnnl::memory::desc({M, M}, t, tag::ab);
+    p.a2_md = dnnl::memory::desc({M, M}, dt::f32, tag::ab);
+    p.b_md = dnnl::memory::desc({M, M}, t, tag::ab);
+    p.y_md = dnnl::memory::desc({M, N}, t, tag::ab);
+    p.gram = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(p.x_md, p.xt_md, p.a_md), engine));
+    p.square = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(p.a_md, p.a_md, p.a2_md), engine));
+    p.update = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(p.b_md, p.x_md, p.y_md), engine));
+    return plans.emplace(key, std::move(p)).first->second;
+  }
+
+  void reserve(std::size_t rows, std::size_t cols, dtype gemm) {
+    const std::size_t mn = rows * cols, m = std::min(rows, cols), mm = m * m;
+    if (u.size() < mn) u.resize(mn);
+    if (a2.size() < mm) a2.resize(mm);
+    if (gemm == dtype::bf16) {
+      for (auto& x : x16)
+        if (x.size() < mn) x.resize(mn);
+      if (a16.size() < mm) a16.resize(mm);
+      if (b16.size() < mm) b16.resize(mm);
+    } else {
+      for (auto& x : x32)
+        if (x.size() < mn) x.resize(mn);
+      if (a32.size() < mm) a32.resize(mm);
+    }
+  }
+
+  void* x_buffer(int i, dtype gemm) {
+    return gemm == dtype::bf16 ? static_cast<void*>(x16[i].data()) : static_cast<void*>(x32[i].data());
+  }
+
+  // ns_steps iterations on X in x_buffer(0); returns which buffer holds the result.
+  int iterate(const muon_options& o, std::size_t m, std::size_t n) {
+    const dtype gemm = o.gemm_dtype;
+    const ns_plan& p = plan(m, n, gemm);
+    void* a_buf = gemm == dtype::bf16 ? static_cast<void*>(a16.data()) : static_cast<void*>(a32.data());
+    void* b_buf = gemm == dtype::bf16 ? static_cast<void*>(b16.data()) : static_cast<void*>(a2.data());
+    dnnl::memory a_mem(p.a_md, engine, a_buf), a2_mem(p.a2_md, engine, a2.data()),
+        b_mem(p.b_md, engine, b_buf);
+    int cur = 0;
+    for (int s = 0; s < o.ns_steps; ++s) {
+      dnnl::memory x_mem(p.x_md, engine, x_buffer(cur, gemm)), xt_mem(p.xt_md, engine, x_buffer(cur, gemm)),
+          y_mem(p.y_md, engine, x_buffer(1 - cur, gemm));
+      p.gram.execute(stream, {{DNNL_ARG_SRC, x_mem}, {DNNL_ARG_WEIGHTS, xt_mem}, {DNNL_ARG_DST, a_mem}});
+      p.square.execute(stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, a_mem}, {DNNL_ARG_DST, a2_mem}});
+      stream.wait();
+      combine(o, m);
+      p.update.execute(stream, {{DNNL_ARG_SRC, b_mem}, {DNNL_ARG_WEIGHTS, x_mem}, {DNNL_ARG_DST, y_mem}});
+      stream.wait();
+      cur = 1 - cur;
+    }
+    return cur;
+  }
+
+  // B = c A2 + b A + a I: folding a·X into the update GEMM as a·I saves a pass
+  // over X per iteration (X' = a X + B X = (a I + B) X).
+  void combine(const muon_options& o, std::size_t m) {
+    const float a = o.ns_a, b = o.ns_b, c = o.ns_c;
+    const auto rows = static_cast<std::int64_t>(m);
+    if (o.gemm_dtype == dtype::bf16) {
+#pragma omp parallel for schedule(static)
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const std::size_t r = static_cast<std::size_t>(i) * m;
+        for (std::size_t j = 0; j < m; ++j) {
+          float v = c * a2[r + j] + b * bf16_to_float(a16[r + j]);
+          if (j == static_cast<std::size_t>(i)) v += a;
+          b16[r + j] = float_to_bf16(v);
+        }
+      }
+    } else {
+#pragma omp parallel for schedule(static)
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const std::size_t r = static_cast<std::size_t>(i) * m;
+        for (std::size_t j = 0; j < m; ++j) a2[r + j] = c * a2[r + j] + b * a32[r + j];
+        a2[r + static_cast<std::size_t>(i)] += a;
+      }
+    }
+  }
+};
+
+muon_optimizer::muon_optimizer(const muon_options& options) : options_(options) {
+  detail::require_finite_at_least(options.lr, 0.0f, "lr");
+  detail::require_finite_at_least(options.weight_decay, 0.0f, "weight_decay");
+  detail::require_unit_interval(options.momentum, "momentum");
+  detail::require(options.ns_steps >= 0 && options.ns_steps <= 100, "ns_steps",
+                  "must be in [0, 100], got " + std::to_string(options.ns_steps));
+  detail::require(std::isfinite(options.eps) && options.eps > 0.0f, "eps", "must be finite and > 0");
+  detail::require(std::isfinite(options.ns_a) && std::isfinite(options.ns_b) && std::isfinite(options.ns_c),
+                  "ns_coefficients", "must be finite");
+  detail::require_dtype(options.gemm_dtype, "gemm_dtype", true, true, false);
+  ws_ = std::make_unique<workspace>();
+}
+
+muon_optimizer::~muon_optimizer() = default;
+muon_optimizer::muon_optimizer(muon_optimizer&&) noexcept = default;
+muon_optimizer& muon_optimizer::operator=(muon_optimizer&&) noexcept = default;
+
+float muon_optimizer::adjusted_lr(const muon_options& o, std::size_t rows, std::size_t cols) {
+  const double r = static_cast<double>(rows), c = static_cast<double>(cols);
+  const double ratio = o.adjust_lr == lr_adjustment::original ? std::sqrt(std::max(1.0, r / c))
+                                                              : 0.2 * std::sqrt(std::max(r, c));
+  return static_cast<float>(static_cast<double>(o.lr) * ratio);
+}
+
+namespace {
+
+void require_shape(std::size_t rows, std::size_t cols) {
+  detail::require(rows >= 1 && cols >= 1, "shape",
+                  "must be at least 1 x 1, got " + std::to_string(rows) + " x " + std::to_string(cols));
+}
+
+}  // namespace
+
+// NS(in) into out; `in` may be ws.u. The transposition of a tall matrix is
+// fused into the load (with the 1/||X|| scale) and into the store.
+void muon_optimizer::orthogonalize_into(executor& ex, const float* in, std::size_t rows,
+                                        std::size_t cols, float* out) {
+  workspace& ws = *ws_;
+  const muon_options& o = options_;
+  omp_set_num_threads(ex.threads());
+  const dtype gemm = o.gemm_dtype;
+  ws.reserve(rows, cols, gemm);
+  const bool tall = rows > cols;
+  const std::size_t m = tall ? cols : rows, n = tall ? rows : cols;
+  const auto total = static_cast<std::int64_t>(rows * cols);
+
+  double sum_sq = 0.0;
+#pragma omp parallel for schedule(static) reduction(+ : sum_sq)
+  for (std::int64_t i = 0; i < total; ++i) sum_sq += static_cast<double>(in[i]) * in[i];
+  const float inv_norm = static_cast<float>(1.0 / std::max(std::sqrt(sum_sq), static_cast<double>(o.eps)));
+
+  // X = in (or inᵀ) / ||in||, in the GEMM dtype. 32 × 32 blocks for the transpose.
+  constexpr std::size_t blk = 32;
+  auto load = [&](auto* x, auto convert) {
+    if (!tall) {
+#pragma omp parallel for schedule(static)
+      for (std::int64_t i = 0; i < total; ++i) x[i] = convert(in[i] * inv_norm);
+      return;
+    }
+    const auto row_blocks = static_cast<std::int64_t>((rows + blk - 1) / blk);
+#pragma omp parallel for schedule(static)
+    for (std::int64_t rb = 0; rb < row_blocks; ++rb) {
+      const std::size_t r0 = static_cast<std::size_t>(rb) * blk, r1 = std::min(rows, r0 + blk);
+      for (std::size_t c0 = 0; c0 < cols; c0 += blk) {
+        const std::size_t c1 = std::min(cols, c0 + blk);
+        for (std::size_t r = r0; r < r1; ++r)
+          for (std::size_t c = c0; c < c1; ++c) x[c * n + r] = convert(in[r * cols + c] * inv_norm);
+      }
+    }
+  };
+  auto store = [&](const auto* x, auto convert) {
+    if (!tall) {
+#pragma omp parallel for schedule(static)
+      for (std::int64_t i = 0; i < total; ++i) out[i] = convert(x[i]);
+      return;
+    }
+    const auto row_blocks = static_cast<std::int64_t>((rows + blk - 1) / blk);
+#pragma omp parallel for schedule(static)
+    for (std::int64_t rb = 0; rb < row_blocks; ++rb) {
+      const std::size_t r0 = static_cast<std::size_t>(rb) * blk, r1 = std::min(rows, r0 + blk);
+      for (std::size_t c0 = 0; c0 < cols; c0 += blk) {
+        const std::size_t c1 = std::min(cols, c0 + blk);
+        for (std::size_t r = r0; r < r1; ++r)
+          for (std::size_t c = c0; c < c1; ++c) out[r * cols + c] = convert(x[c * n + r]);
+      }
+    }
+  };
+
+  if (gemm == dtype::bf16) {
+    load(ws.x16[0].data(), [](float v) { return float_to_bf16(v); });
+    const int cur = ws.iterate(o, m, n);
+    store(ws.x16[cur].data(), [](std::uint16_t v) { return bf16_to_float(v); });
+  } else {
+    load(ws.x32[0].data(), [](float v) { return v; });
+    const int cur = ws.iterate(o, m, n);
+    store(ws.x32[cur].data(), [](float v) { return v; });
+  }
+}
+
+void muon_optimizer::orthogonalize(executor& ex, std::span<const float> in, std::size_t rows,
+                                   std::size_t cols, std::span<float> out) {
+  require_shape(rows, cols);
+  detail::require_buffer(const_tensor_ref(in.data(), in.size(), dtype::fp32), rows * cols, "in");
+  detail::require_buffer(const_tensor_ref(out.data(), out.size(), dtype::fp32), rows * cols, "out");
+  orthogonalize_into(ex, in.data(), rows, cols, out.data());
+}
+
+void muon_optimizer::run_gemms_only(executor& ex, std::size_t rows, std::size_t cols) {
+  require_shape(rows, cols);
+  omp_set_num_threads(ex.threads());
+  ws_->reserve(rows, cols, options_.gemm_dtype);
+  const std::size_t m = std::min(rows, cols), n = std::max(rows, cols);
+  const ns_plan& p = ws_->plan(m, n, options_.gemm_dtype);
+  const bool bf16 = options_.gemm_dtype == dtype::bf16;
+  workspace& ws = *ws_;
+  void* a_buf = bf16 ? static_cast<void*>(ws.a16.data()) : static_cast<void*>(ws.a32.data());
+  void* b_buf = bf16 ? static_cast<void*>(ws.b16.data()) : static_cast<void*>(ws.a2.data());
+  dnnl::memory a_mem(p.a_md, ws.engine, a_buf), a2_mem(p.a2_md, ws.engine, ws.a2.data()),
+      b_mem(p.b_md, ws.engine, b_buf);
+  for (int s = 0; s < options_.ns_steps; ++s) {
+    const int cur = s & 1;
+    dnnl::memory x_mem(p.x_md, ws.engine, ws.x_buffer(cur, options_.gemm_dtype)),
+        xt_mem(p.xt_md, ws.engine, ws.x_buffer(cur, options_.gemm_dtype)),
+        y_mem(p.y_md, ws.engine, ws.x_buffer(1 - cur, options_.gemm_dtype));
+    p.gram.execute(ws.stream, {{DNNL_ARG_SRC, x_mem}, {DNNL_ARG_WEIGHTS, xt_mem}, {DNNL_ARG_DST, a_mem}});
+    p.square.execute(ws.stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, a_mem}, {DNNL_ARG_DST, a2_mem}});
+    p.update.execute(ws.stream, {{DNNL_ARG_SRC, b_mem}, {DNNL_ARG_WEIGHTS, x_mem}, {DNNL_ARG_DST, y_mem}});
+  }
+  ws.stream.wait();
+}
+
+void muon_optimizer::step(executor& ex, const muon_matrix& mat, float grad_scale) {
+  const muon_options& o = options_;
+  require_shape(mat.rows, mat.cols);
+  const std::size_t n = mat.rows * mat.cols;
+  detail::require_buffer(const_tensor_ref(mat.param.data(), mat.param.size(), dtype::fp32), n, "param");
+  detail::require_dtype(mat.grad.type, "grad", true, true, true);
+  detail::require_buffer(mat.grad, n, "grad");
+  detail::require_buffer(const_tensor_ref(mat.momentum_buffer.data(), mat.momentum_buffer.size(), dtype::fp32),
+                         n, "momentum_buffer");
+  if (!mat.param_copy.empty()) {
+    detail::require_dtype(mat.param_copy.type, "param_copy", false, true, true);
+    detail::require_buffer(mat.param_copy, n, "param_copy");
+  }
+  detail::require_grad_scale(grad_scale);
+
+  omp_set_num_threads(ex.threads());
+  workspace& ws = *ws_;
+  ws.reserve(mat.rows, mat.cols, o.gemm_dtype);
+  float* u = ws.u.data();
+  float* buf = mat.momentum_buffer.data();
+  const float mu = o.momentum;
+  const bool ema = o.momentum_form == muon_momentum::ema;
+  const bool nest = o.nesterov == nesterov::on;
+  const auto total = static_cast<std::int64_t>(n);
+  constexpr std::int64_t chunk = 1 << 14;
+  const std::int64_t chunks = (total + chunk - 1) / chunk;
+
+  // u = g * grad_scale in fp32 (Highway conversion), then the momentum.
+#pragma omp parallel for schedule(static)
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    const std::size_t b = static_cast<std::size_t>(c * chunk), e = std::min(n, b + chunk);
+    detail::convert_range(ex.target(), mat.grad.data, mat.grad.type, u, dtype::fp32, grad_scale, b, e);
+    for (std::size_t i = b; i < e; ++i) {
+      const float g = u[i];
+      if (ema) {
+        buf[i] = buf[i] + (1.0f - mu) * (g - buf[i]);      // buf.lerp_(g, 1 - mu)
+        u[i] = nest ? g + mu * (buf[i] - g) : buf[i];       // g.lerp(buf, mu)
+      } else {
+        buf[i] = mu * buf[i] + g;                           // buf.mul_(mu).add_(g)
+        u[i] = nest ? g + mu * buf[i] : buf[i];             // g.add(buf, alpha=mu)
+      }
+    }
+  }
+
+  orthogonalize_into(ex, u, mat.rows, mat.cols, u);
+
+  const float decay = 1.0f - o.lr * o.weight_decay;
+  const float lr = adjusted_lr(o, mat.rows, mat.cols);
+  float* p = mat.param.data();
+#pragma omp parallel for schedule(static)
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    const std::size_t b = static_cast<std::size_t>(c * chunk), e = std::min(n, b + chunk);
+    for (std::size_t i = b; i < e; ++i) p[i] = p[i] * decay - lr * u[i];
+    if (!mat.param_copy.empty())
+      detail::convert_range(ex.target(), p, dtype::fp32, mat.param_copy.data, mat.param_copy.type, 1.0f, b, e);
+  }
+}
+
+}  // namespace tierflow::optim
