@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs tierflow's main job: report what this machine
-# offers (`tierflow info`), then a short I/O benchmark on a temporary file.
+# offers (`tierflow info`), a short I/O benchmark on a temporary file, and a
+# short offloaded-training run (state on NVMe, device simulated) comparing
+# ZeRO-Offload's synchronous step with ZenFlow.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$here/scripts/setup.sh"
@@ -8,3 +10,8 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 scratch=$(mktemp -d "${TMPDIR:-/var/tmp}/tierflow-run-XXXXXX")
 trap 'rm -rf "$scratch"' EXIT
 "$here/build/bin/tierflow" info --path "$scratch"
+# A short I/O benchmark through tierflow's engine: 256 MiB of 1 MiB reads at queue depth 32.
+"$here/build/bin/tierflow" bench io --path "$scratch/bench.dat" --size 256M --block-size 1M --queue-depth 32 --pattern read
+# Offloaded training of a small GPT-2-shaped model with its optimizer state on NVMe files.
+"$here/build/bin/tierflow" bench offload --model 6x512x8000 --nvme-dir "$scratch" --host-memory 256M \
+  --strategy sync,zenflow --steps 12 --update-interval 4 --batch-tokens 400000 --sub-group 512K

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs every tierflow test:
 #   1. the Release build (CUDA sources compiled for sm_90 when nvcc exists) and its tests;
-#   2. the same tests built with AddressSanitizer + UndefinedBehaviorSanitizer.
+#   2. the same tests built with AddressSanitizer + UndefinedBehaviorSanitizer;
+#   3. the concurrent tests (block store, links, scheduler, ZenFlow engine)
+#      built with ThreadSanitizer.
 # Fails on the first failure.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -18,3 +20,14 @@ echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and tests"
   -DTIERFLOW_SANITIZE=address,undefined -DTIERFLOW_CUDA=OFF -DTIERFLOW_BUILD_BENCH=OFF
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$(nproc)"
+
+echo "== ThreadSanitizer build and the concurrent tests"
+# Only the concurrent tests' binaries are built here, to keep CI short.
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+cmake -S "$here" -B "$here/build-tsan" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DTIERFLOW_SANITIZE=thread -DTIERFLOW_CUDA=OFF -DTIERFLOW_BUILD_BENCH=OFF >/dev/null
+cmake --build "$here/build-tsan" -j "$(nproc)" --target store_test store_stress_test scheduler_test zenflow_test
+TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+  ctest --test-dir build-tsan --output-on-failure -j "$(nproc)" \
+  -R '^(store|store_stress|link|fair_queue|Scheduler|OptimizerStream|ZenflowEngine)\.'

@@ -18,6 +18,10 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.failure_message(CLI::FailureMessage::help);
   tierflow::cli::add_info_command(app);
+  tierflow::cli::add_bench_io_command(app);
+  tierflow::cli::add_bench_optim_command(app);
+  tierflow::cli::add_bench_offload_command(app);
+  tierflow::cli::add_tune_io_command(app);
 
   try {
     app.parse(argc, argv);

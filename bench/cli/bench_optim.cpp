@@ -1,0 +1,310 @@
+// `tierflow bench optim`: one optimizer step over N parameters on the CPU, timed
+// (median of the timed steps), beside its bound measured in the same run:
+// for Adam/AdamW the STREAM-style pass of Adam's shape (read p, g, m, v; write
+// p, m, v) on the same threads, tiles and SIMD target; for Muon the
+// Newton–Schulz GEMMs alone. bench/optim_vs_peers.py puts torch and DeepSpeed
+// beside it.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "tierflow/core/dtype.hpp"
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/units.hpp"
+#include "tierflow/optim/adam.hpp"
+#include "tierflow/optim/muon.hpp"
+
+namespace tierflow::cli {
+namespace {
+
+using nlohmann::json;
+using clock_type = std::chrono::steady_clock;
+
+struct optim_options {
+  std::string optimizer = "adamw";
+  std::string params = "64M";
+  std::string param_dtype = "fp32";
+  std::string state_dtype = "fp32";
+  std::string grad_dtype;  // default: the param dtype
+  std::string gemm_dtype = "bf16";
+  std::string shape = "1024x4096";
+  std::string simd = "auto";
+  int threads = 1;
+  int matrices = 1;
+  int steps = 10;
+  bool check_finite = false;
+  bool no_bound = false;
+  bool as_json = false;
+};
+
+template <class F>
+double median_seconds(int repeats, F&& f) {
+  std::vector<double> t;
+  for (int i = 0; i < repeats; ++i) {
+    const auto start = clock_type::now();
+    f();
+    t.push_back(std::chrono::duration<double>(clock_type::now() - start).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Uninitialized, page-aligned storage: the executor's first touch places the pages.
+template <class T>
+struct buffer {
+  std::unique_ptr<T[]> storage;
+  T* data_ptr = nullptr;
+  std::size_t size = 0;
+  buffer(optim::executor& ex, std::size_t n, dtype type) : storage(new T[n + 4096 / sizeof(T)]), size(n) {
+    const auto base = reinterpret_cast<std::uintptr_t>(storage.get());
+    data_ptr = reinterpret_cast<T*>((base + 4095) & ~std::uintptr_t{4095});
+    optim::first_touch(ex, {data_ptr, n * sizeof(T) / size_of(type), type});
+  }
+  T* get() { return data_ptr; }
+  std::span<T> span() { return {data_ptr, size}; }
+};
+
+// A normal float's 16-bit pattern, truncated (the benchmark's inputs need no
+// rounding; the kernels round what they write).
+std::uint16_t half_bits(float value, dtype t) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  if (t == dtype::bf16) return static_cast<std::uint16_t>(bits >> 16);
+  const std::uint32_t exp = (bits >> 23) & 0xFF;
+  if (exp <= 112) return static_cast<std::uint16_t>((bits >> 16) & 0x8000);  // tiny: signed zero
+  return static_cast<std::uint16_t>(((bits >> 16) & 0x8000) | ((exp - 112) << 10) | ((bits >> 13) & 0x3FF));
+}
+
+json bench_adam(const optim_options& opt, optim::executor& ex) {
+  const std::size_t n = parse_size(opt.params, "--params");
+  const dtype param_t = parse_dtype(opt.param_dtype, "--param-dtype");
+  const dtype state_t = parse_dtype(opt.state_dtype, "--state-dtype");
+  const dtype grad_t = opt.grad_dtype.empty() ? param_t : parse_dtype(opt.grad_dtype, "--grad-dtype");
+  optim::adam_options o = opt.optimizer == "adam" ? optim::adam_options::adam() : optim::adam_options::adamw();
+  const optim::adam_optimizer adam(o);
+
+  // fp32 master parameters always; a bf16/fp16 model also gets the copy written back.
+  buffer<float> p(ex, n, dtype::fp32);
+  buffer<float> g32(ex, grad_t == dtype::fp32 ? n : 0, dtype::fp32);
+  buffer<std::uint16_t> g16(ex, grad_t != dtype::fp32 ? n : 0, grad_t);
+  buffer<float> m32(ex, state_t == dtype::fp32 ? n : 0, dtype::fp32),
+      v32(ex, state_t == dtype::fp32 ? n : 0, dtype::fp32);
+  buffer<std::uint16_t> m16(ex, state_t != dtype::fp32 ? n : 0, state_t),
+      v16(ex, state_t != dtype::fp32 ? n : 0, state_t);
+  std::vector<std::uint16_t> copy;
+  std::fill_n(p.get(), n, 0.5f);
+  optim::const_tensor_ref grad;
+  if (grad_t == dtype::fp32) {
+    std::fill_n(g32.get(), n, 1e-3f);
+    grad = {g32.get(), n, dtype::fp32};
+  } else {
+    std::fill_n(g16.get(), n, half_bits(1e-3f, grad_t));
+    grad = {g16.get(), n, grad_t};
+  }
+  optim::tensor_ref param_copy;
+  if (param_t != dtype::fp32) {
+    copy.assign(n, 0);
+    param_copy = {copy.data(), n, param_t};
+  }
+  optim::adam_sub_group group{p.span(), grad,
+                              state_t == dtype::fp32 ? optim::tensor_ref{m32.get(), n, dtype::fp32}
+                                                     : optim::tensor_ref{m16.get(), n, state_t},
+                              state_t == dtype::fp32 ? optim::tensor_ref{v32.get(), n, dtype::fp32}
+                                                     : optim::tensor_ref{v16.get(), n, state_t},
+                              {}, param_copy};
+  std::int64_t step = 0;
+  auto one_step = [&] {
+    adam.step(ex, group,
+              {.step = ++step,
+               .check = opt.check_finite ? optim::finite_check::skip_step : optim::finite_check::off});
+  };
+  one_step();
+  one_step();  // warm-up: pages mapped, caches and threads in place
+  const double bytes = static_cast<double>(optim::adam_optimizer::bytes_per_param(group, o.amsgrad)) +
+                       (opt.check_finite ? static_cast<double>(size_of(grad_t)) : 0.0);
+  double seconds = 0;
+  json j = {{"optimizer", opt.optimizer},
+            {"params", n},
+            {"threads", ex.threads()},
+            {"simd", ex.simd()},
+            {"param_dtype", name(param_t)},
+            {"grad_dtype", name(grad_t)},
+            {"state_dtype", name(state_t)}};
+  if (opt.no_bound) {
+    seconds = median_seconds(opt.steps, one_step);
+  } else {
+    // The bound: Adam's access pattern over fp32 p, g, m, v of the same length.
+    // Its passes alternate with the steps, so that both see the same machine
+    // (on a shared host the load changes between seconds).
+    buffer<float> bp(ex, n, dtype::fp32), bg(ex, n, dtype::fp32), bm(ex, n, dtype::fp32),
+        bv(ex, n, dtype::fp32);
+    std::fill_n(bg.get(), n, 1e-3f);
+    auto pass = [&] { optim::adam_shaped_stream(ex, bp.span(), bg.span(), bm.span(), bv.span()); };
+    pass();
+    pass();
+    std::vector<double> steps, passes;
+    for (int i = 0; i < opt.steps; ++i) {
+      steps.push_back(median_seconds(1, one_step));
+      passes.push_back(median_seconds(1, pass));
+    }
+    std::sort(steps.begin(), steps.end());
+    std::sort(passes.begin(), passes.end());
+    seconds = steps[steps.size() / 2];
+    const double bound_seconds = passes[passes.size() / 2];
+    const double bound_rate = 28.0 * static_cast<double>(n) / bound_seconds;
+    j["bound_seconds_per_pass"] = bound_seconds;
+    j["bound_bytes_per_second"] = bound_rate;
+    j["ratio_to_bound"] = bytes * static_cast<double>(n) / seconds / bound_rate;
+  }
+  j["seconds_per_step"] = seconds;
+  j["params_per_second"] = static_cast<double>(n) / seconds;
+  j["bytes_per_param"] = bytes;
+  j["bytes_per_second"] = bytes * static_cast<double>(n) / seconds;
+  return j;
+}
+
+std::pair<std::size_t, std::size_t> parse_shape(const std::string& s) {
+  const auto x = s.find('x');
+  try {
+    if (x != std::string::npos) {
+      std::size_t used1 = 0, used2 = 0;
+      const auto r = std::stoull(s.substr(0, x), &used1), c = std::stoull(s.substr(x + 1), &used2);
+      if (used1 == x && used2 == s.size() - x - 1 && r > 0 && c > 0) return {r, c};
+    }
+  } catch (const std::exception&) {
+  }
+  throw user_error("--shape: expected ROWSxCOLS, e.g. 1024x4096, got '" + s + "'");
+}
+
+json bench_muon(const optim_options& opt, optim::executor& ex) {
+  const auto [rows, cols] = parse_shape(opt.shape);
+  if (opt.matrices < 1) throw user_error("--matrices: must be at least 1");
+  optim::muon_options o;
+  o.gemm_dtype = parse_dtype(opt.gemm_dtype, "--gemm-dtype");
+  const dtype grad_t = opt.grad_dtype.empty() ? parse_dtype(opt.param_dtype, "--param-dtype")
+                                              : parse_dtype(opt.grad_dtype, "--grad-dtype");
+  optim::muon_optimizer muon(o);
+  const std::size_t per = rows * cols, count = static_cast<std::size_t>(opt.matrices);
+  std::vector<float> p(per * count, 0.5f), buf(per * count, 0.0f), g32;
+  std::vector<std::uint16_t> g16;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> dist(0.0f, 1e-3f);
+  std::vector<float> gvals(per * count);
+  for (auto& x : gvals) x = dist(rng);
+  if (grad_t == dtype::fp32) g32 = gvals;
+  else {
+    g16.resize(gvals.size());
+    for (std::size_t i = 0; i < gvals.size(); ++i) g16[i] = half_bits(gvals[i], grad_t);
+  }
+  auto step_all = [&] {
+    for (std::size_t k = 0; k < count; ++k) {
+      const optim::const_tensor_ref grad =
+          grad_t == dtype::fp32 ? optim::const_tensor_ref{g32.data() + k * per, per, dtype::fp32}
+                                : optim::const_tensor_ref{g16.data() + k * per, per, grad_t};
+      muon.step(ex, {std::span<float>(p).subspan(k * per, per), grad, std::span<float>(buf).subspan(k * per, per),
+                     rows, cols, {}});
+    }
+  };
+  step_all();
+  const int repeats = std::max(1, std::min(opt.steps, 5));
+  const double seconds = median_seconds(repeats, step_all);
+  // Newton–Schulz alone on one matrix, and its GEMMs alone on the same buffers.
+  std::vector<float> out(per);
+  auto ns = [&] { muon.orthogonalize(ex, std::span<const float>(gvals).first(per), rows, cols, out); };
+  ns();
+  const double ns_seconds = median_seconds(repeats, ns);
+  auto gemms = [&] { muon.run_gemms_only(ex, rows, cols); };
+  gemms();
+  const double gemm_seconds = median_seconds(repeats, gemms);
+  const double n = static_cast<double>(per * count);
+  const double bytes = 4.0 * 2 + static_cast<double>(size_of(grad_t)) + 4.0 * 2;  // p, buf rw; g read
+  return {{"optimizer", "muon"},
+          {"params", per * count},
+          {"threads", ex.threads()},
+          {"simd", ex.simd()},
+          {"shape", opt.shape},
+          {"matrices", count},
+          {"grad_dtype", name(grad_t)},
+          {"gemm_dtype", name(o.gemm_dtype)},
+          {"ns_steps", o.ns_steps},
+          {"seconds_per_step", seconds},
+          {"params_per_second", n / seconds},
+          {"bytes_per_second", bytes * n / seconds},
+          {"ns_seconds", ns_seconds},
+          {"gemm_seconds", gemm_seconds},
+          {"ns_to_gemm_ratio", ns_seconds / gemm_seconds}};
+}
+
+void print_human(const json& j) {
+  auto row = [](const char* key, const std::string& value) { std::printf("  %-22s %s\n", key, value.c_str()); };
+  auto num = [](double v, const char* fmt) {
+    char b[64];
+    std::snprintf(b, sizeof b, fmt, v);
+    return std::string(b);
+  };
+  std::printf("bench optim: %s, %s parameters, %d thread(s), simd %s\n",
+              j["optimizer"].get<std::string>().c_str(), std::to_string(j["params"].get<std::size_t>()).c_str(),
+              j["threads"].get<int>(), j["simd"].get<std::string>().c_str());
+  if (j["optimizer"] == "muon") {
+    row("shape", j["shape"].get<std::string>() + " x " + std::to_string(j["matrices"].get<std::size_t>()) +
+                     " matrices, gemm " + j["gemm_dtype"].get<std::string>());
+  } else {
+    row("dtypes", "param " + j["param_dtype"].get<std::string>() + ", grad " + j["grad_dtype"].get<std::string>() +
+                      ", state " + j["state_dtype"].get<std::string>());
+  }
+  row("step", num(j["seconds_per_step"].get<double>() * 1e3, "%.2f ms"));
+  row("params/s", num(j["params_per_second"].get<double>() / 1e9, "%.3f G"));
+  row("bandwidth", format_rate(j["bytes_per_second"].get<double>()));
+  if (j.contains("bound_bytes_per_second")) {
+    row("bound (same shape)", format_rate(j["bound_bytes_per_second"].get<double>()));
+    row("ratio to bound", num(j["ratio_to_bound"].get<double>(), "%.3f"));
+  }
+  if (j.contains("ns_seconds")) {
+    row("newton-schulz", num(j["ns_seconds"].get<double>() * 1e3, "%.1f ms") + " (one matrix)");
+    row("its gemms alone", num(j["gemm_seconds"].get<double>() * 1e3, "%.1f ms"));
+    row("ns / gemms", num(j["ns_to_gemm_ratio"].get<double>(), "%.3f"));
+  }
+}
+
+}  // namespace
+
+void add_bench_optim_command(CLI::App& app) {
+  auto opt = std::make_shared<optim_options>();
+  CLI::App* cmd = bench_command(app).add_subcommand(
+      "optim", "Time one CPU optimizer step (Adam, AdamW, Muon) beside its bandwidth or GEMM bound");
+  cmd->add_option("--optimizer", opt->optimizer, "adamw (default), adam or muon")
+      ->check(CLI::IsMember({"adamw", "adam", "muon"}));
+  cmd->add_option("--params", opt->params, "Parameters per step, K/M/G suffixes (Adam; default 64M)");
+  cmd->add_option("--param-dtype", opt->param_dtype,
+                  "Model dtype: fp32, or bf16/fp16 (gradients in it, updated copy written in it)");
+  cmd->add_option("--state-dtype", opt->state_dtype, "Adam moments: fp32 (default) or bf16");
+  cmd->add_option("--grad-dtype", opt->grad_dtype, "Gradient dtype when it differs from --param-dtype");
+  cmd->add_option("--gemm-dtype", opt->gemm_dtype, "Muon's GEMMs: bf16 (default) or fp32");
+  cmd->add_option("--threads", opt->threads, "CPU threads for the step (default 1)");
+  cmd->add_option("--shape", opt->shape, "Muon matrix ROWSxCOLS (default 1024x4096)");
+  cmd->add_option("--matrices", opt->matrices, "Muon matrices per step (default 1)");
+  cmd->add_option("--steps", opt->steps, "Timed steps; the median is reported (default 10)");
+  cmd->add_option("--simd", opt->simd, "SIMD target: auto (default) or one of this CPU's, e.g. avx2");
+  cmd->add_flag("--check-finite", opt->check_finite, "Also read the gradients for inf/nan first (fp16 loss scaling)");
+  cmd->add_flag("--no-bound", opt->no_bound, "Skip the bandwidth bound (Adam)");
+  cmd->add_flag("--json", opt->as_json, "One JSON object on stdout instead of the table");
+  cmd->callback([opt] {
+    if (opt->steps < 1) throw user_error("--steps: must be at least 1");
+    optim::executor ex(opt->threads, opt->simd);
+    const json j = opt->optimizer == "muon" ? bench_muon(*opt, ex) : bench_adam(*opt, ex);
+    if (opt->as_json) std::cout << j.dump(2) << '\n';
+    else print_human(j);
+  });
+}
+
+}  // namespace tierflow::cli

@@ -1,0 +1,166 @@
+#include "offload/plan.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <thread>
+
+#include "tierflow/core/block.hpp"
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/units.hpp"
+
+namespace tierflow::bench {
+namespace {
+
+// Splits `w` into column ranges of at most `limit` elements (at least one column).
+void add_chunks(const weight& w, bool muon, std::uint64_t limit, std::vector<chunk>& out) {
+  // Stored transposed: a "column" of the optimizer's layout is a row of the
+  // weight as written (rows × cols → cols columns of rows elements).
+  const std::uint64_t rows = w.cols, cols = w.rows;
+  if (muon) {  // Muon orthogonalises the whole matrix: never split
+    out.push_back({{w.name, rows, cols}, true});
+    return;
+  }
+  const std::uint64_t per = std::max<std::uint64_t>(1, limit / rows);
+  for (std::uint64_t c = 0, k = 0; c < cols; c += per, ++k) {
+    const std::uint64_t n = std::min(per, cols - c);
+    out.push_back({{cols > per ? w.name + "#" + std::to_string(k) : w.name, rows, n}, false});
+  }
+}
+
+// The 1-D weights of one layer, concatenated into one sub-group.
+void add_vectors(const std::vector<weight>& ws, const std::string& name, std::vector<chunk>& out) {
+  std::uint64_t n = 0;
+  for (const auto& w : ws) n += w.matrix() ? 0 : w.elements();
+  if (n > 0) out.push_back({{name, n, 1}, false});
+}
+
+}  // namespace
+
+const char* to_string(strategy s) {
+  switch (s) {
+    case strategy::sync: return "sync";
+    case strategy::pipelined: return "pipelined";
+    case strategy::zenflow: return "zenflow";
+  }
+  return "?";
+}
+
+const char* to_string(optimizer_kind o) { return o == optimizer_kind::adamw ? "adamw" : "muon"; }
+
+strategy parse_strategy(const std::string& text) {
+  if (text == "sync") return strategy::sync;
+  if (text == "pipelined") return strategy::pipelined;
+  if (text == "zenflow") return strategy::zenflow;
+  throw user_error("--strategy: '" + text + "' is not sync, pipelined or zenflow");
+}
+
+optimizer_kind parse_optimizer(const std::string& text) {
+  if (text == "adamw") return optimizer_kind::adamw;
+  if (text == "muon") return optimizer_kind::muon;
+  throw user_error("--optimizer: '" + text + "' is not adamw or muon");
+}
+
+offload_plan make_plan(const offload_options& o) {
+  offload_plan plan;
+  plan.options = o;
+  if (o.device != "sim") {
+    throw user_error("--device: '" + o.device +
+                     "' is not available: this tierflow runs bench offload on the simulated device (sim) "
+                     "only; the CUDA device side of the offload engine is not built yet");
+  }
+  if (o.steps == 0) throw user_error("--steps: must be at least 1");
+  if (o.batch_tokens == 0) throw user_error("--batch-tokens: must be at least 1");
+  if (!(o.device_model.tflops > 0) || !std::isfinite(o.device_model.tflops))
+    throw user_error("--device-tflops: must be a positive number");
+  if (!(o.device_model.pcie_bytes_per_second > 0) || !std::isfinite(o.device_model.pcie_bytes_per_second))
+    throw user_error("--pcie-gbps: must be a positive number");
+  if (o.depth < 2) throw user_error("--depth: must be at least 2 (one sub-group updating, one loading)");
+  if (o.sub_group_elements < 1024) throw user_error("--sub-group: must be at least 1K elements");
+
+  plan.model = make_model(o.model);
+
+  // ZenFlow's settings go through the same checks a config file's would.
+  plan.zenflow.topk_ratio = o.topk_ratio;
+  plan.zenflow.strategy = zenflow::select_strategy::step;
+  plan.zenflow.update_interval = o.update_interval;
+  plan.zenflow.select_interval = o.select_interval.value_or(100 * o.update_interval);
+  plan.zenflow.overlap_step = o.overlap;
+  plan.zenflow.pt_reserved_cores_perc = o.reserved_cores;
+  try {
+    zenflow::validate(plan.zenflow);
+  } catch (const user_error& e) {
+    std::string what = e.what();
+    // Name the flags, not the config keys.
+    if (what.starts_with("zenflow.topk_ratio")) what = "--topk-ratio" + what.substr(18);
+    else if (what.starts_with("zenflow.update_interval")) what = "--update-interval" + what.substr(23);
+    else if (what.starts_with("zenflow.select_interval")) what = "--select-interval" + what.substr(23);
+    else if (what.starts_with("zenflow.pt_reserved_cores_perc")) what = "--reserved-cores" + what.substr(30);
+    throw user_error(what);
+  }
+
+  // Sub-groups: every weight, cut along its columns; Muon's hidden matrices whole.
+  const bool muon = o.optimizer == optimizer_kind::muon;
+  for (const auto& w : plan.model.embedding) add_chunks(w, false, o.sub_group_elements, plan.chunks);
+  for (std::size_t l = 0; l < plan.model.layers.size(); ++l) {
+    for (const auto& w : plan.model.layers[l]) {
+      if (w.matrix()) add_chunks(w, muon, o.sub_group_elements, plan.chunks);
+    }
+    add_vectors(plan.model.layers[l], "layer" + std::to_string(l) + ".vectors", plan.chunks);
+  }
+  for (const auto& w : plan.model.head) {
+    if (w.matrix()) add_chunks(w, false, o.sub_group_elements, plan.chunks);
+  }
+  add_vectors(plan.model.head, "head.vectors", plan.chunks);
+
+  // Host memory: gradient windows and staging first, the stream tier gets the rest.
+  const std::uint64_t states = muon ? 2 : 3;  // master + moments (AdamW: 2, Muon: momentum)
+  std::uint64_t largest = 0, total = 0, elements = 0;
+  for (const auto& c : plan.chunks) {
+    const std::uint64_t n = c.shape.elements();
+    // AdamW chunks inside a Muon run still keep two moments.
+    const std::uint64_t k = (muon && !c.muon) ? 3 : states;
+    const std::uint64_t bytes = k * aligned_size(n * sizeof(float));
+    largest = std::max(largest, bytes);
+    total += bytes;
+    elements += n;
+  }
+  plan.memory.state_bytes = total;
+  plan.memory.largest_sub_group = largest;
+  plan.gradient_bytes = 2 * elements;
+  plan.parameter_bytes = 2 * elements;
+  std::uint64_t largest_elements = 0;
+  for (const auto& c : plan.chunks) largest_elements = std::max(largest_elements, c.shape.elements());
+  plan.memory.gradient_staging = aligned_size(largest_elements * sizeof(float));
+  if (o.strategy == strategy::zenflow) {
+    std::uint64_t matrix_elements = 0;
+    for (const auto& c : plan.chunks) matrix_elements += c.shape.matrix() ? c.shape.elements() : 0;
+    plan.memory.accumulators = (o.overlap ? 2 : 1) * matrix_elements * sizeof(float);
+  }
+  const std::uint64_t fixed = plan.memory.accumulators + plan.memory.gradient_staging;
+  const std::uint64_t minimum_stream = o.depth * largest + (1u << 20);
+  if (o.host_memory < fixed + minimum_stream) {
+    throw user_error("--host-memory: " + format_bytes(static_cast<double>(o.host_memory)) + " cannot hold " +
+                     (plan.memory.accumulators ? "the gradient windows (" +
+                                                     format_bytes(static_cast<double>(plan.memory.accumulators)) + ") and " : std::string()) +
+                     std::to_string(o.depth) + " sub-groups of " + format_bytes(static_cast<double>(largest)) +
+                     "; it needs at least " + format_bytes(static_cast<double>(fixed + minimum_stream)) +
+                     " (or a smaller --sub-group)");
+  }
+  plan.memory.stream_tier = o.host_memory - fixed;
+  plan.memory.state_on_nvme = !o.nvme_dir.empty();
+  if (!plan.memory.state_on_nvme && total > plan.memory.stream_tier) {
+    throw user_error("--host-memory: the optimizer state (" + format_bytes(static_cast<double>(total)) +
+                     ") does not fit in the " + format_bytes(static_cast<double>(plan.memory.stream_tier)) +
+                     " left for it; give --nvme-dir to keep it on NVMe, or at least " +
+                     format_bytes(static_cast<double>(total + fixed)) + " of --host-memory");
+  }
+
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  plan.optimizer_threads =
+      o.threads ? o.threads
+                : std::max(1u, static_cast<unsigned>(std::lround(cores * (1.0 - o.reserved_cores))));
+  plan.step_compute_seconds = o.device_model.compute_seconds(plan.model.step_flops(o.batch_tokens));
+  return plan;
+}
+
+}  // namespace tierflow::bench

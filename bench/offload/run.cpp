@@ -1,0 +1,511 @@
+#include "offload/run.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "tierflow/core/assert.hpp"
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/optimizer_stream.hpp"
+#include "tierflow/core/store.hpp"
+#include "tierflow/core/telemetry.hpp"
+#include "tierflow/core/units.hpp"
+#include "tierflow/optim/adam.hpp"
+#include "tierflow/optim/muon.hpp"
+#include "tierflow/tiers/tiers.hpp"
+
+namespace tierflow::bench {
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+clock::duration span_of(double seconds) {
+  return std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(seconds));
+}
+double seconds_between(clock::time_point a, clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+std::span<float> as_floats(std::span<std::byte> bytes, std::uint64_t elements) {
+  TF_ASSERT(bytes.size() >= elements * sizeof(float));
+  return {reinterpret_cast<float*>(bytes.data()), static_cast<std::size_t>(elements)};
+}
+
+// The simulated device's PCIe host → device link: transfers queue one after
+// another at the modelled rate. Thread-safe (the CPU step uploads from its thread).
+class upload_link {
+ public:
+  explicit upload_link(const sim_device& model) : model_(model) {}
+  // Queues `bytes`; returns when they will have arrived.
+  clock::time_point send(std::uint64_t bytes) {
+    std::lock_guard lock(mutex_);
+    const auto start = std::max(clock::now(), free_at_);
+    free_at_ = start + span_of(model_.transfer_seconds(bytes));
+    bytes_ += bytes;
+    return free_at_;
+  }
+  std::uint64_t bytes() const {
+    std::lock_guard lock(mutex_);
+    return bytes_;
+  }
+
+ private:
+  const sim_device& model_;
+  mutable std::mutex mutex_;
+  clock::time_point free_at_{};
+  std::uint64_t bytes_ = 0;
+};
+
+// The optimizer arithmetic of the run: optim's AdamW, or Muon for the hidden
+// matrices, on the optimizer threads.
+class optim_rule final : public zenflow::update_rule {
+ public:
+  optim_rule(const std::vector<chunk>& chunks, optim::executor& ex)
+      : chunks_(chunks), ex_(ex), adam_(optim::adam_options::adamw()), muon_(optim::muon_options{}) {}
+
+  zenflow::granularity unit(std::size_t w) const noexcept override {
+    return chunks_[w].muon ? zenflow::granularity::matrix : zenflow::granularity::columns;
+  }
+  std::size_t state_count() const noexcept override { return 2; }
+  void apply(const zenflow::update_args& a) override {
+    if (chunks_[a.weight_index].muon) {
+      optim::muon_matrix m;
+      m.param = a.param;
+      m.grad = optim::fp32_ref(a.grad);
+      m.momentum_buffer = a.state0;
+      m.rows = a.weight->cols;
+      m.cols = a.weight->rows;
+      muon_.step(ex_, m);
+      return;
+    }
+    optim::adam_sub_group g;
+    g.param = a.param;
+    g.grad = optim::fp32_ref(a.grad);
+    g.exp_avg = optim::fp32_ref(a.state0);
+    g.exp_avg_sq = optim::fp32_ref(a.state1);
+    adam_.step(ex_, g, {.step = a.step});
+  }
+
+ private:
+  const std::vector<chunk>& chunks_;
+  optim::executor& ex_;
+  optim::adam_optimizer adam_;
+  optim::muon_optimizer muon_;
+};
+
+// ZenFlow's device side, simulated: no device memory, only time and bytes on
+// the modelled link. The gradient it hands down is a fixed random buffer, so
+// the host's accumulation reads real bytes.
+class sim_device_side final : public zenflow::device_side {
+ public:
+  sim_device_side(const offload_plan& plan, upload_link& link, std::span<const float> gradient)
+      : plan_(plan), link_(link), gradient_(gradient), uploaded_at_(plan.chunks.size()) {}
+
+  void column_importance(std::size_t w, zenflow::importance_norm, std::span<float> out) override {
+    // Heavy-tailed scores that drift between refreshes: a few columns matter.
+    ++calls_;
+    for (std::size_t c = 0; c < out.size(); ++c) {
+      std::uint64_t h = (w + 1) * 0x9E3779B97F4A7C15ull ^ (c * 0xBF58476D1CE4E5B9ull) ^ (calls_ / 8);
+      h ^= h >> 31;
+      h *= 0x94D049BB133111EBull;
+      h ^= h >> 29;
+      const double u = static_cast<double>(h >> 11) * 0x1p-53;
+      out[c] = static_cast<float>(std::pow(u, 8.0));
+    }
+  }
+  void update_owned(std::size_t w, std::int64_t) override {
+    // The selected columns' Adam on the device: memory-bound at HBM speed
+    // (read p, g, m, v; write p, m, v, and the bf16 copy), 3 TB/s.
+    (void)w;
+    device_bytes_ += selected_elements(w) * 30;
+  }
+  std::span<const float> download_gradient(std::size_t w) override {
+    return gradient_.first(static_cast<std::size_t>(plan_.chunks[w].shape.elements()));
+  }
+  void stage_upload(std::size_t w, std::span<const zenflow::column_run> runs, std::span<const float>) override {
+    std::uint64_t columns = 0;
+    for (const auto r : runs) columns += r.end - r.begin;
+    const auto arrived = link_.send(columns * plan_.chunks[w].shape.rows * 2);  // bf16
+    std::lock_guard lock(mutex_);
+    uploaded_at_[w] = arrived;
+  }
+  void apply_staged(std::size_t w, std::span<const zenflow::column_run>) override {
+    std::lock_guard lock(mutex_);
+    ready_at_ = std::max(ready_at_, uploaded_at_[w]);
+  }
+  void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const zenflow::selection_change& change,
+                 const zenflow::host_buffers&) override {
+    selected_[w] = selected.size();
+    // Master and two moments of each column crossing, fp32, over the link.
+    link_.send((change.entering.size() + change.leaving.size()) * plan_.chunks[w].shape.rows * 12);
+  }
+
+  // Device seconds of the selective updates since the last call.
+  double take_device_seconds() {
+    const double s = static_cast<double>(device_bytes_) / 3e12;
+    device_bytes_ = 0;
+    return s;
+  }
+  // When the uploads of the windows applied since the last call arrive.
+  clock::time_point take_ready_at() {
+    std::lock_guard lock(mutex_);
+    return std::exchange(ready_at_, clock::time_point{});
+  }
+
+ private:
+  std::uint64_t selected_elements(std::size_t w) const {
+    const auto it = selected_.find(w);
+    const auto& shape = plan_.chunks[w].shape;
+    if (!shape.matrix()) return shape.elements();
+    return it == selected_.end() ? 0 : it->second * shape.rows;
+  }
+
+  const offload_plan& plan_;
+  upload_link& link_;
+  std::span<const float> gradient_;
+  std::uint64_t calls_ = 0;
+  std::uint64_t device_bytes_ = 0;
+  std::map<std::size_t, std::size_t> selected_;
+  std::mutex mutex_;
+  std::vector<clock::time_point> uploaded_at_;
+  clock::time_point ready_at_{};
+};
+
+// ZenFlow's host state in the store: each chunk's blocks streamed through
+// the host tier, from NVMe when the state lives there.
+class store_host_state final : public zenflow::host_state {
+ public:
+  store_host_state(block_store& store, const offload_plan& plan, const std::vector<std::vector<block_id>>& blocks,
+                   optimizer_stream_options options)
+      : store_(store), plan_(plan), blocks_(blocks), options_(options) {}
+
+  void for_each(std::span<const std::size_t> weights,
+                const std::function<void(std::size_t, const zenflow::host_buffers&)>& fn) override {
+    std::vector<sub_group> groups;
+    for (const std::size_t w : weights) groups.push_back({blocks_[w], {}});
+    run_optimizer_stream(
+        store_, groups,
+        [&](std::size_t i, std::span<const std::span<std::byte>> b) {
+          const std::size_t w = weights[i];
+          const std::uint64_t n = plan_.chunks[w].shape.elements();
+          fn(w, {as_floats(b[0], n), as_floats(b[1], n), b.size() > 2 ? as_floats(b[2], n) : std::span<float>()});
+        },
+        options_);
+  }
+
+ private:
+  block_store& store_;
+  const offload_plan& plan_;
+  const std::vector<std::vector<block_id>>& blocks_;
+  optimizer_stream_options options_;
+};
+
+struct trace_event {
+  std::string name;
+  std::string track;
+  clock::time_point start;
+  double seconds;
+};
+
+// The store's trace with the device timeline and the host's work added.
+void write_trace(const std::string& path, const block_store& store, clock::time_point store_origin,
+                 const std::vector<trace_event>& events) {
+  std::stringstream ss;
+  store.write_trace(ss);
+  nlohmann::json doc = nlohmann::json::parse(ss.str());
+  auto& list = doc["traceEvents"];
+  const std::map<std::string, int> tracks = {{"device (simulated)", 1}, {"host", 2}, {"stall", 3}};
+  list.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", 10}, {"tid", 0},
+                  {"args", {{"name", "bench offload"}}}});
+  for (const auto& [name, tid] : tracks) {
+    list.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", 10}, {"tid", tid}, {"args", {{"name", name}}}});
+  }
+  for (const auto& e : events) {
+    list.push_back({{"ph", "X"}, {"name", e.name}, {"cat", e.track}, {"pid", 10}, {"tid", tracks.at(e.track)},
+                    {"ts", seconds_between(store_origin, e.start) * 1e6}, {"dur", e.seconds * 1e6}});
+  }
+  std::ofstream out(path);
+  if (!out) throw error(errno, error_context{"open"}.at(path));
+  out << doc.dump();
+  if (!out.flush()) throw error(errno, error_context{"write"}.at(path));
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+}  // namespace
+
+offload_result run_offload(const offload_plan& plan) {
+  const offload_options& o = plan.options;
+  offload_result r;
+  r.strategy = to_string(o.strategy);
+  r.device_model = o.device_model.describe();
+  r.compute_seconds = plan.step_compute_seconds;
+
+  // The store: a pinned host tier to stream through, NVMe extents for the state
+  // in a directory of this run's own, removed (once its files are) at the end.
+  struct run_directory {
+    std::string path;
+    ~run_directory() {
+      if (!path.empty()) ::rmdir(path.c_str());
+    }
+  } nvme_dir;
+  tiers::store_config sc;
+  sc.host = tiers::host_tier_options{.budget = plan.memory.stream_tier / block_alignment * block_alignment};
+  if (plan.memory.state_on_nvme) {
+    nvme_dir.path = o.nvme_dir + "/tierflow-offload-" + std::to_string(::getpid());
+    sc.nvme = tiers::nvme_tier_options{.directory = nvme_dir.path,
+                                       .budget = plan.memory.state_bytes + (64ull << 20),
+                                       .file_size = 256ull << 20};
+  }
+  sc.store.trace = !o.trace_path.empty();
+  const auto store_made = clock::now();
+  std::unique_ptr<block_store> store = tiers::make_store(std::move(sc));
+  const tier_kind home = plan.memory.state_on_nvme ? tier_kind::nvme : tier_kind::host;
+
+  // Master values and optimizer state of every chunk.
+  std::vector<std::vector<block_id>> blocks(plan.chunks.size());
+  std::vector<sub_group> all;
+  for (std::size_t i = 0; i < plan.chunks.size(); ++i) {
+    const chunk& c = plan.chunks[i];
+    const std::uint64_t bytes = c.shape.elements() * sizeof(float);
+    const char* suffixes[] = {".master", ".state0", ".state1"};
+    for (int k = 0; k < (c.muon ? 2 : 3); ++k) {
+      blocks[i].push_back(store->create_block({.name = c.shape.name + suffixes[k], .size_bytes = bytes,
+                                               .type = dtype::fp32, .home = home}));
+    }
+    all.push_back({blocks[i], {}});
+  }
+  optimizer_stream_options stream;
+  stream.depth = o.depth;
+  stream.evict_after_update = plan.memory.state_on_nvme;
+
+  // Initial values: parameters 0.02, state zero — every byte written once.
+  run_optimizer_stream(*store, all, [&](std::size_t i, std::span<const std::span<std::byte>> b) {
+    const std::uint64_t n = plan.chunks[i].shape.elements();
+    std::ranges::fill(as_floats(b[0], n), 0.02f);
+    for (std::size_t k = 1; k < b.size(); ++k) std::ranges::fill(as_floats(b[k], n), 0.0f);
+  }, stream);
+
+  // The gradient the simulated device produces: random, fixed, real bytes.
+  std::uint64_t largest = 0;
+  for (const auto& c : plan.chunks) largest = std::max(largest, c.shape.elements());
+  std::vector<float> gradient(largest);
+  {
+    std::mt19937 rng(1);
+    std::normal_distribution<float> normal(0.0f, 1e-3f);
+    for (auto& g : gradient) g = normal(rng);
+  }
+
+  optim::executor ex(static_cast<int>(plan.optimizer_threads));
+  optim_rule rule(plan.chunks, ex);
+  upload_link h2d(o.device_model);
+  std::vector<trace_event> events;
+
+  // The whole optimizer step over the streamed state (sync and pipelined).
+  std::int64_t optimizer_steps = 0;
+  auto full_optimizer_step = [&](bool overlap) {
+    ++optimizer_steps;
+    optimizer_stream_options opts = stream;
+    opts.overlap_io = overlap;
+    return run_optimizer_stream(*store, all, [&](std::size_t i, std::span<const std::span<std::byte>> b) {
+      const chunk& c = plan.chunks[i];
+      const std::uint64_t n = c.shape.elements();
+      zenflow::update_args a;
+      a.weight = &c.shape;
+      a.weight_index = i;
+      a.columns = static_cast<std::uint32_t>(c.shape.cols);
+      a.param = as_floats(b[0], n);
+      a.grad = std::span<const float>(gradient).first(n);
+      a.state0 = as_floats(b[1], n);
+      if (b.size() > 2) a.state1 = as_floats(b[2], n);
+      a.step = optimizer_steps;
+      rule.apply(a);
+    }, opts);
+  };
+
+  if (o.strategy != strategy::zenflow) {
+    // The same state moved with no work (I/O alone) and worked on in memory
+    // (compute alone): the bounds a pipelined step is measured against.
+    const auto io_start = clock::now();
+    run_optimizer_stream(*store, all, [](std::size_t, std::span<const std::span<std::byte>>) {}, stream);
+    r.io_alone_seconds = seconds_between(io_start, clock::now());
+    std::vector<float> p(largest, 0.02f), m(largest, 0.0f), v(largest, 0.0f);
+    const auto compute_start = clock::now();
+    for (std::size_t i = 0; i < plan.chunks.size(); ++i) {
+      const chunk& c = plan.chunks[i];
+      const std::uint64_t n = c.shape.elements();
+      zenflow::update_args a;
+      a.weight = &c.shape;
+      a.weight_index = i;
+      a.columns = static_cast<std::uint32_t>(c.shape.cols);
+      a.param = std::span(p).first(n);
+      a.grad = std::span<const float>(gradient).first(n);
+      a.state0 = std::span(m).first(n);
+      if (!c.muon) a.state1 = std::span(v).first(n);
+      a.step = 1;
+      rule.apply(a);
+    }
+    r.compute_alone_seconds = seconds_between(compute_start, clock::now());
+  }
+
+  std::unique_ptr<store_host_state> host_state;
+  std::unique_ptr<sim_device_side> device;
+  std::unique_ptr<zenflow::engine> engine;
+  if (o.strategy == strategy::zenflow) {
+    host_state = std::make_unique<store_host_state>(*store, plan, blocks, stream);
+    device = std::make_unique<sim_device_side>(plan, h2d, gradient);
+    std::vector<zenflow::weight_shape> shapes;
+    for (const auto& c : plan.chunks) shapes.push_back(c.shape);
+    engine = std::make_unique<zenflow::engine>(plan.zenflow, std::move(shapes), *device, *host_state, rule);
+  }
+
+  // The steps, on the device timeline.
+  std::uint64_t d2h_bytes = 0;
+  clock::time_point device_free = clock::now();
+  clock::time_point d2h_free = device_free;
+  clock::time_point params_ready = device_free;
+  std::vector<clock::time_point> host_done;
+  double device_extra = 0;
+  std::vector<double> optimizer_times;
+  for (std::uint64_t s = 0; s < o.steps; ++s) {
+    const auto start = std::max(device_free, params_ready);
+    step_record rec;
+    rec.step = s;
+    rec.stall_seconds = std::max(0.0, seconds_between(device_free, start));
+    const auto compute_end = start + span_of(plan.step_compute_seconds + device_extra);
+    rec.seconds = seconds_between(device_free, compute_end);
+    if (rec.stall_seconds > 0) events.push_back({"stall", "stall", device_free, rec.stall_seconds});
+    events.push_back({"step " + std::to_string(s), "device (simulated)", start, seconds_between(start, compute_end)});
+    device_free = compute_end;
+    // The gradient goes down on the D2H copy engine, overlapping later compute.
+    d2h_free = std::max(compute_end, d2h_free) + span_of(o.device_model.transfer_seconds(plan.gradient_bytes));
+    d2h_bytes += plan.gradient_bytes;
+    // While the device computes step s: a boundary step needs the previous
+    // window's result applied before step s+1; the trainer does that during
+    // the backward, not after the gradient came down.
+    clock::time_point applied_at{};
+    if (engine && engine->will_update()) {
+      const auto apply_start = clock::now();
+      engine->apply_previous_window();
+      applied_at = clock::now();
+      events.push_back({"host: apply window", "host", apply_start, seconds_between(apply_start, applied_at)});
+    }
+    std::this_thread::sleep_until(d2h_free);
+
+    const auto host_start = clock::now();
+    if (o.strategy == strategy::zenflow) {
+      const zenflow::step_report report = engine->step();
+      rec.boundary = report.update_boundary;
+      device_extra = device->take_device_seconds();
+      const auto uploads = device->take_ready_at();
+      if (rec.boundary && (report.refreshed || !o.overlap)) {
+        params_ready = std::max(clock::now(), uploads);  // the host's step decides the next one
+      } else if (rec.boundary) {
+        params_ready = std::max(applied_at, uploads);  // the previous window, applied early
+      } else {
+        params_ready = s >= 1 ? host_done[s - 1] : clock::time_point{};  // two staging buffers
+      }
+    } else {
+      const auto st = full_optimizer_step(o.strategy == strategy::pipelined);
+      optimizer_times.push_back(std::chrono::duration<double>(st.total).count());
+      params_ready = h2d.send(plan.parameter_bytes);  // every parameter back up
+      rec.boundary = true;
+    }
+    const auto host_end = clock::now();
+    host_done.push_back(host_end);
+    rec.host_seconds = seconds_between(host_start, host_end);
+    events.push_back({rec.boundary ? "host: step + update" : "host: accumulate", "host", host_start,
+                      rec.host_seconds});
+    r.steps.push_back(rec);
+  }
+  // The device's last step must also see its inputs: the drain.
+  const auto drain_start = clock::now();
+  if (engine) engine->finish();
+  store->flush();
+  r.drain_seconds = seconds_between(drain_start, clock::now());
+
+  // Summary.
+  // The summary is over the steady state: the first update window warms up
+  // (first selection, first reads of the state) and is shown but not counted.
+  r.warm_up_steps = std::min<std::uint64_t>(o.update_interval, o.steps / 2);
+  std::vector<double> times;
+  double total = 0, stall = 0, host_nonboundary = 0;
+  std::uint64_t nonboundary = 0;
+  for (const auto& rec : r.steps) {
+    if (rec.step < r.warm_up_steps) continue;
+    times.push_back(rec.seconds);
+    total += rec.seconds;
+    stall += rec.stall_seconds;
+    if (!rec.boundary) {
+      host_nonboundary += rec.host_seconds;
+      ++nonboundary;
+    }
+  }
+  r.step_seconds = total / static_cast<double>(times.size());
+  r.median_step_seconds = median(times);
+  r.max_step_seconds = *std::max_element(times.begin(), times.end());
+  r.stall_fraction = total > 0 ? stall / total : 0;
+  r.host_work_per_step_seconds = nonboundary ? host_nonboundary / static_cast<double>(nonboundary) : 0;
+  if (!optimizer_times.empty())
+    r.optimizer_step_seconds = std::accumulate(optimizer_times.begin(), optimizer_times.end(), 0.0) /
+                               static_cast<double>(optimizer_times.size());
+
+  r.bytes["pcie_d2h"] = d2h_bytes;
+  r.bytes["pcie_h2d"] = h2d.bytes();
+  const store_telemetry t = store->telemetry();
+  for (const auto& link : t.links) r.bytes[link.name] = link.bytes;
+  r.telemetry_json = to_json(t);
+
+  if (engine) {
+    const auto& st = engine->stats();
+    const double k = static_cast<double>(o.update_interval);
+    r.window_compute_seconds = k * plan.step_compute_seconds;
+    r.cpu_step_seconds = st.cpu_steps ? std::chrono::duration<double>(st.cpu_step_time).count() /
+                                            static_cast<double>(st.cpu_steps)
+                                      : 0;
+    const double need = 1.5 * r.cpu_step_seconds;
+    std::ostringstream h;
+    h.precision(3);
+    const bool window_ok = r.window_compute_seconds >= need;
+    const bool step_ok = r.host_work_per_step_seconds <= plan.step_compute_seconds;
+    if (window_ok && step_ok) {
+      h << "hideable: a window computes " << r.window_compute_seconds << " s on the device, "
+        << r.window_compute_seconds / std::max(r.cpu_step_seconds, 1e-9) << "x its CPU step with I/O ("
+        << r.cpu_step_seconds << " s)";
+    } else {
+      const double per_token = plan.step_compute_seconds / static_cast<double>(o.batch_tokens);
+      const double want = std::max(need / k, r.host_work_per_step_seconds);
+      const auto batch = static_cast<std::uint64_t>(std::ceil(want / per_token));
+      const auto interval = static_cast<std::uint64_t>(std::ceil(need / plan.step_compute_seconds));
+      h << "not hideable: a window computes " << r.window_compute_seconds << " s against a CPU step with I/O of "
+        << r.cpu_step_seconds << " s (1.5x needed) and " << r.host_work_per_step_seconds
+        << " s of host accumulation per step; --batch-tokens " << batch;
+      if (step_ok) h << " or --update-interval " << interval;
+      h << " would hide it";
+    }
+    r.hideability = h.str();
+  }
+
+  if (!o.trace_path.empty()) {
+    // The store's trace counts from its creation.
+    write_trace(o.trace_path, *store, store_made, events);
+  }
+  return r;
+}
+
+}  // namespace tierflow::bench
