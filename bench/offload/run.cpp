@@ -316,6 +316,22 @@ offload_result run_offload(const offload_plan& plan) {
   upload_link h2d(o.device_model);
   std::vector<trace_event> events;
 
+  // One whole chunk's optimizer step on the given buffers, with the fixed gradient.
+  auto update_chunk = [&](std::size_t i, std::span<float> param, std::span<float> state0, std::span<float> state1,
+                          std::int64_t step) {
+    const chunk& c = plan.chunks[i];
+    zenflow::update_args a;
+    a.weight = &c.shape;
+    a.weight_index = i;
+    a.columns = static_cast<std::uint32_t>(c.shape.cols);
+    a.param = param;
+    a.grad = std::span<const float>(gradient).first(param.size());
+    a.state0 = state0;
+    a.state1 = state1;
+    a.step = step;
+    rule.apply(a);
+  };
+
   // The whole optimizer step over the streamed state (sync and pipelined).
   std::int64_t optimizer_steps = 0;
   auto full_optimizer_step = [&](bool overlap) {
@@ -323,18 +339,9 @@ offload_result run_offload(const offload_plan& plan) {
     optimizer_stream_options opts = stream;
     opts.overlap_io = overlap;
     return run_optimizer_stream(*store, all, [&](std::size_t i, std::span<const std::span<std::byte>> b) {
-      const chunk& c = plan.chunks[i];
-      const std::uint64_t n = c.shape.elements();
-      zenflow::update_args a;
-      a.weight = &c.shape;
-      a.weight_index = i;
-      a.columns = static_cast<std::uint32_t>(c.shape.cols);
-      a.param = as_floats(b[0], n);
-      a.grad = std::span<const float>(gradient).first(n);
-      a.state0 = as_floats(b[1], n);
-      if (b.size() > 2) a.state1 = as_floats(b[2], n);
-      a.step = optimizer_steps;
-      rule.apply(a);
+      const std::uint64_t n = plan.chunks[i].shape.elements();
+      update_chunk(i, as_floats(b[0], n), as_floats(b[1], n), b.size() > 2 ? as_floats(b[2], n) : std::span<float>(),
+                   optimizer_steps);
     }, opts);
   };
 
@@ -347,18 +354,9 @@ offload_result run_offload(const offload_plan& plan) {
     std::vector<float> p(largest, 0.02f), m(largest, 0.0f), v(largest, 0.0f);
     const auto compute_start = clock::now();
     for (std::size_t i = 0; i < plan.chunks.size(); ++i) {
-      const chunk& c = plan.chunks[i];
-      const std::uint64_t n = c.shape.elements();
-      zenflow::update_args a;
-      a.weight = &c.shape;
-      a.weight_index = i;
-      a.columns = static_cast<std::uint32_t>(c.shape.cols);
-      a.param = std::span(p).first(n);
-      a.grad = std::span<const float>(gradient).first(n);
-      a.state0 = std::span(m).first(n);
-      if (!c.muon) a.state1 = std::span(v).first(n);
-      a.step = 1;
-      rule.apply(a);
+      const std::size_t n = static_cast<std::size_t>(plan.chunks[i].shape.elements());
+      update_chunk(i, std::span(p).first(n), std::span(m).first(n),
+                   plan.chunks[i].muon ? std::span<float>() : std::span(v).first(n), 1);
     }
     r.compute_alone_seconds = seconds_between(compute_start, clock::now());
   }
