@@ -102,15 +102,21 @@ class staged_mover final : public mover {
   }
   static unsigned slot(unsigned pair, unsigned k) { return pair * 2 + k; }
 
+  // A running XXH3 over a transfer's chunks, or null when the tier keeps no checksums.
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> checksum_state() const {
+    std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(nullptr, &XXH3_freeState);
+    if (nvme_.checksums()) {
+      state.reset(XXH3_createState());
+      if (!state) throw error(ENOMEM, error_context{"XXH3_createState"});
+      XXH3_64bits_reset(state.get());
+    }
+    return state;
+  }
+
   void nvme_to_device(const transfer& t, unsigned pair) {
     const io::file& f = nvme_.file_of(t.source);
-    XXH3_state_t* state = nullptr;
-    std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> owned(nullptr, &XXH3_freeState);
-    if (nvme_.checksums()) {
-      owned.reset(XXH3_createState());
-      state = owned.get();
-      XXH3_64bits_reset(state);
-    }
+    const auto owned = checksum_state();
+    XXH3_state_t* state = owned.get();
     const std::uint64_t chunks = (t.bytes + chunk_ - 1) / chunk_;
     for (std::uint64_t i = 0; i < chunks; ++i) {
       const unsigned k = unsigned(i % 2);
@@ -130,13 +136,8 @@ class staged_mover final : public mover {
 
   void device_to_nvme(const transfer& t, unsigned pair) {
     const io::file& f = nvme_.file_of(t.destination);
-    XXH3_state_t* state = nullptr;
-    std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> owned(nullptr, &XXH3_freeState);
-    if (nvme_.checksums()) {
-      owned.reset(XXH3_createState());
-      state = owned.get();
-      XXH3_64bits_reset(state);
-    }
+    const auto owned = checksum_state();
+    XXH3_state_t* state = owned.get();
     const std::uint64_t chunks = (t.bytes + chunk_ - 1) / chunk_;
     auto length_of = [&](std::uint64_t i) {
       return std::size_t(std::min<std::uint64_t>(chunk_, t.bytes - i * chunk_));
