@@ -2,6 +2,7 @@
 // over the same gradients.
 #include "tierflow/core/zenflow/engine.hpp"
 
+#include <atomic>
 #include <cmath>
 #include <random>
 
@@ -31,7 +32,8 @@ class adam_rule final : public update_rule {
       a.param[i] -= lr / c1 * a.state0[i] / (std::sqrt(a.state1[i]) / c2 + eps);
     }
   }
-  int calls[2] = {0, 0};
+  // Atomic: a test may share one rule between engines whose CPU steps overlap.
+  std::atomic<int> calls[2] = {0, 0};
 };
 
 // Momentum SGD over whole matrices: the shape of Muon's unit.
