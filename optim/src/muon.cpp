@@ -203,12 +203,14 @@ void muon_optimizer::orthogonalize_into(executor& ex, const float* in, std::size
   for (std::int64_t i = 0; i < total; ++i) sum_sq += static_cast<double>(in[i]) * in[i];
   const float inv_norm = static_cast<float>(1.0 / std::max(std::sqrt(sum_sq), static_cast<double>(o.eps)));
 
-  // X = in (or inᵀ) / ||in||, in the GEMM dtype. 32 × 32 blocks for the transpose.
+  // Pairs element (r, c) of the row-major input/output with its place in the
+  // workspace X (transposed when tall) and calls visit(matrix_index, x_index),
+  // in parallel; 32 × 32 blocks for the transpose.
   constexpr std::size_t blk = 32;
-  auto load = [&](auto* x, auto convert) {
+  auto for_each_element = [&](auto visit) {
     if (!tall) {
 #pragma omp parallel for schedule(static)
-      for (std::int64_t i = 0; i < total; ++i) x[i] = convert(in[i] * inv_norm);
+      for (std::int64_t i = 0; i < total; ++i) visit(static_cast<std::size_t>(i), static_cast<std::size_t>(i));
       return;
     }
     const auto row_blocks = static_cast<std::int64_t>((rows + blk - 1) / blk);
@@ -218,26 +220,16 @@ void muon_optimizer::orthogonalize_into(executor& ex, const float* in, std::size
       for (std::size_t c0 = 0; c0 < cols; c0 += blk) {
         const std::size_t c1 = std::min(cols, c0 + blk);
         for (std::size_t r = r0; r < r1; ++r)
-          for (std::size_t c = c0; c < c1; ++c) x[c * n + r] = convert(in[r * cols + c] * inv_norm);
+          for (std::size_t c = c0; c < c1; ++c) visit(r * cols + c, c * n + r);
       }
     }
   };
+  // X = in (or inᵀ) / ||in||, in the GEMM dtype; out = X (transposed back) after.
+  auto load = [&](auto* x, auto convert) {
+    for_each_element([&](std::size_t i, std::size_t k) { x[k] = convert(in[i] * inv_norm); });
+  };
   auto store = [&](const auto* x, auto convert) {
-    if (!tall) {
-#pragma omp parallel for schedule(static)
-      for (std::int64_t i = 0; i < total; ++i) out[i] = convert(x[i]);
-      return;
-    }
-    const auto row_blocks = static_cast<std::int64_t>((rows + blk - 1) / blk);
-#pragma omp parallel for schedule(static)
-    for (std::int64_t rb = 0; rb < row_blocks; ++rb) {
-      const std::size_t r0 = static_cast<std::size_t>(rb) * blk, r1 = std::min(rows, r0 + blk);
-      for (std::size_t c0 = 0; c0 < cols; c0 += blk) {
-        const std::size_t c1 = std::min(cols, c0 + blk);
-        for (std::size_t r = r0; r < r1; ++r)
-          for (std::size_t c = c0; c < c1; ++c) out[r * cols + c] = convert(x[c * n + r]);
-      }
-    }
+    for_each_element([&](std::size_t i, std::size_t k) { out[i] = convert(x[k]); });
   };
 
   if (gemm == dtype::bf16) {
