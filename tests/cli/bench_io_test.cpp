@@ -133,45 +133,24 @@ TEST(TuneIoCli, RanksTrialsAndWritesASnippetBenchIoReads) {
   EXPECT_EQ(b["queue_depth"], j["best"]["queue_depth"]);
 }
 
-// Runs the CLI with io_uring_setup refused by a seccomp filter (as in a
-// container whose profile blocks io_uring), stdout captured.
-testing::cli_result run_cli_without_io_uring(const std::vector<std::string>& args) {
-  char out_name[] = "/tmp/tierflow-cli-out-XXXXXX";
-  char err_name[] = "/tmp/tierflow-cli-err-XXXXXX";
-  const int out_fd = ::mkstemp(out_name);
-  const int err_fd = ::mkstemp(err_name);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(out_fd, STDOUT_FILENO);
-    ::dup2(err_fd, STDERR_FILENO);
-    sock_filter filter[] = {
-        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
-        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
-        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (ENOSYS & SECCOMP_RET_DATA)),
-        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
-    };
-    sock_fprog program{static_cast<unsigned short>(sizeof filter / sizeof filter[0]), filter};
-    if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
-        ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) != 0) {
-      ::_exit(126);
-    }
-    std::vector<char*> argv{const_cast<char*>(TIERFLOW_CLI)};
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execv(TIERFLOW_CLI, argv.data());
-    ::_exit(127);
+// Refuses io_uring_setup with ENOSYS through a seccomp filter (as a container
+// whose profile blocks io_uring does); exits 126 where no filter can be set.
+void refuse_io_uring() {
+  sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (ENOSYS & SECCOMP_RET_DATA)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  sock_fprog program{static_cast<unsigned short>(sizeof filter / sizeof filter[0]), filter};
+  if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
+      ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) != 0) {
+    ::_exit(126);
   }
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  testing::cli_result r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  ::close(out_fd);
-  ::close(err_fd);
-  r.out = testing::slurp(out_name);
-  r.err = testing::slurp(err_name);
-  ::unlink(out_name);
-  ::unlink(err_name);
-  return r;
+}
+
+testing::cli_result run_cli_without_io_uring(const std::vector<std::string>& args) {
+  return run_cli(args, &refuse_io_uring);
 }
 
 TEST(BenchIoCli, FallsBackToThreadsWhereIoUringIsRefused) {

@@ -29,8 +29,10 @@ inline std::string slurp(const std::string& path) {
 }
 
 // Runs TIERFLOW_CLI with `args`; stdout and stderr go through temporary files
-// so that large outputs cannot dead-lock a pipe.
-inline cli_result run_cli(const std::vector<std::string>& args) {
+// so that large outputs cannot dead-lock a pipe. `in_child`, when given, runs
+// in the child just before exec (e.g. to install a seccomp filter); it may
+// _exit() to report that it could not.
+inline cli_result run_cli(const std::vector<std::string>& args, void (*in_child)() = nullptr) {
   char out_name[] = "/tmp/tierflow-cli-out-XXXXXX";
   char err_name[] = "/tmp/tierflow-cli-err-XXXXXX";
   const int out_fd = ::mkstemp(out_name);
@@ -42,6 +44,7 @@ inline cli_result run_cli(const std::vector<std::string>& args) {
     ::dup2(err_fd, STDERR_FILENO);
     const int null_fd = ::open("/dev/null", O_RDONLY);
     ::dup2(null_fd, STDIN_FILENO);
+    if (in_child != nullptr) in_child();
     std::vector<char*> argv;
     argv.push_back(const_cast<char*>(TIERFLOW_CLI));
     for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
