@@ -18,7 +18,12 @@ the median of its timed steps. Peers run in their own processes with their
 thread count set there.
 Missing peers are reported as "not installed", never as failures.
 
-  bench/optim_vs_peers.py [--tierflow build/bin/tierflow] [--params 64M] [--threads 1,2] [--json]
+AdamW is compared on both page sizes (--pages): tierflow's host tier maps its
+state with transparent huge pages, and torch does the same for large tensors
+when THP_MEM_ALLOC_ENABLE=1, so "huge" gives every contender huge pages and
+"4k" gives none of them.
+
+  bench/optim_vs_peers.py [--tierflow build/bin/tierflow] [--params 64M] [--threads 1,2] [--pages huge,4k] [--json]
 """
 import argparse
 import json
@@ -103,8 +108,12 @@ TORCH_MUON = textwrap.dedent("""
 """)
 
 
-def peer(python, script, argv, threads):
+def peer(python, script, argv, threads, huge_pages=False):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    # PyTorch's CPU allocator advises transparent huge pages for large tensors
+    # when THP_MEM_ALLOC_ENABLE=1 (DeepSpeed's CPU Adam steps torch tensors, so
+    # it follows too); without it their buffers get 4 KiB pages.
+    env["THP_MEM_ALLOC_ENABLE"] = "1" if huge_pages else "0"
     env.setdefault("DS_ACCELERATOR", "cpu")
     try:
         return run_json([python, "-c", script, *map(str, argv)], env=env)
@@ -120,6 +129,37 @@ def has_module(python, name):
     return subprocess.run([python, "-c", f"import {name}"], capture_output=True).returncode == 0
 
 
+def adamw_row(args, python, n, t, pg, steps, have_torch, have_ds, peers_ok):
+    """fp32 AdamW at `t` threads on `pg` pages: tierflow, its bound, and each peer."""
+    huge = pg == "huge"
+    # Round-robin: each round runs tierflow and every peer once, so a change
+    # in the machine's load (a shared host) hits all of them alike.
+    contenders = {"torch_fused": (TORCH_ADAMW, have_torch), "deepspeed": (DEEPSPEED_ADAM, have_ds)}
+    runs, peer_runs = [], {name: [] for name in contenders}
+    for _ in range(args.repeat):
+        runs.append(tierflow(args, "--optimizer", "adamw", "--pages", pg, *steps))
+        for name, (script, ok) in contenders.items():
+            if ok and not any("unavailable" in r for r in peer_runs[name]):
+                peer_runs[name].append(peer(python, script, [n, t, args.steps], t, huge_pages=huge))
+    row = {"threads": t, "pages": pg, "simd": runs[0]["simd"],
+           "bound_bytes_per_second": median_of(runs, "bound_bytes_per_second"),
+           "tierflow_bytes_per_second": median_of(runs, "bytes_per_second"),
+           "tierflow_params_per_second": median_of(runs, "params_per_second"),
+           "ratio_to_bound": median_of(runs, "ratio_to_bound")}
+    for name, (script, ok) in contenders.items():
+        prs = peer_runs[name]
+        if not ok:
+            row[name] = {"unavailable": "not installed" if peers_ok else "skipped"}
+        elif any("unavailable" in r for r in prs):
+            row[name] = next(r for r in prs if "unavailable" in r)
+        else:
+            s = statistics.median(r["seconds_per_step"] for r in prs)
+            row[name] = {"version": prs[0]["version"], "seconds_per_step": s,
+                         "bytes_per_second": 28.0 * n / s, "params_per_second": n / s,
+                         "tierflow_speedup": row["tierflow_params_per_second"] / (n / s)}
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tierflow", default=os.path.join(ROOT, "build", "bin", "tierflow"))
@@ -128,6 +168,9 @@ def main():
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--pages", default="huge,4k",
+                    help="page sizes to compare AdamW on: huge (tierflow --pages huge, peers with "
+                         "THP_MEM_ALLOC_ENABLE=1) and/or 4k")
     ap.add_argument("--muon-shape", default="1024x4096")
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
@@ -142,34 +185,11 @@ def main():
     have_ds = peers_ok and has_module(python, "deepspeed")
 
     result = {"params": n, "adamw": [], "modes": [], "muon": []}
+    pages = [p for p in args.pages.split(",") if p]
     for t in threads:
         steps = ["--params", args.params, "--threads", str(t), "--steps", str(args.steps)]
-        # Round-robin: each round runs tierflow and every peer once, so a change
-        # in the machine's load (a shared host) hits all of them alike.
-        contenders = {"torch_fused": (TORCH_ADAMW, have_torch), "deepspeed": (DEEPSPEED_ADAM, have_ds)}
-        runs, peer_runs = [], {name: [] for name in contenders}
-        for _ in range(args.repeat):
-            runs.append(tierflow(args, "--optimizer", "adamw", *steps))
-            for name, (script, ok) in contenders.items():
-                if ok and not any("unavailable" in r for r in peer_runs[name]):
-                    peer_runs[name].append(peer(python, script, [n, t, args.steps], t))
-        row = {"threads": t, "simd": runs[0]["simd"],
-               "bound_bytes_per_second": median_of(runs, "bound_bytes_per_second"),
-               "tierflow_bytes_per_second": median_of(runs, "bytes_per_second"),
-               "tierflow_params_per_second": median_of(runs, "params_per_second"),
-               "ratio_to_bound": median_of(runs, "ratio_to_bound")}
-        for name, (script, ok) in contenders.items():
-            prs = peer_runs[name]
-            if not ok:
-                row[name] = {"unavailable": "not installed" if peers_ok else "skipped"}
-            elif any("unavailable" in r for r in prs):
-                row[name] = next(r for r in prs if "unavailable" in r)
-            else:
-                s = statistics.median(r["seconds_per_step"] for r in prs)
-                row[name] = {"version": prs[0]["version"], "seconds_per_step": s,
-                             "bytes_per_second": 28.0 * n / s, "params_per_second": n / s,
-                             "tierflow_speedup": row["tierflow_params_per_second"] / (n / s)}
-        result["adamw"].append(row)
+        for pg in pages:
+            result["adamw"].append(adamw_row(args, python, n, t, pg, steps, have_torch, have_ds, peers_ok))
 
         for pd, sd in (("fp32", "bf16"), ("bf16", "fp32"), ("bf16", "bf16")):
             mruns = [tierflow(args, "--optimizer", "adamw", "--param-dtype", pd, "--state-dtype", sd, "--no-bound",
@@ -203,7 +223,7 @@ def main():
         return
     gib = float(1 << 30)
     print(f"AdamW fp32, {n} parameters (28 B/param); medians of {args.repeat} runs")
-    print(f"{'threads':>7} {'simd':>7} {'bound GiB/s':>12} {'tierflow GiB/s':>15} {'/bound':>7} "
+    print(f"{'threads':>7} {'pages':>5} {'simd':>7} {'bound GiB/s':>12} {'tierflow GiB/s':>15} {'/bound':>7} "
           f"{'torch fused':>12} {'tf/torch':>9} {'deepspeed':>12} {'tf/ds':>7}")
     for r in result["adamw"]:
         def cell(p):
@@ -211,12 +231,13 @@ def main():
                 else (f"{p['unavailable'][:12]:>12}", "-")
         tc, tr = cell(r["torch_fused"])
         dc, dr = cell(r["deepspeed"])
-        print(f"{r['threads']:>7} {r['simd']:>7} {r['bound_bytes_per_second'] / gib:12.2f} "
+        print(f"{r['threads']:>7} {r['pages']:>5} {r['simd']:>7} {r['bound_bytes_per_second'] / gib:12.2f} "
               f"{r['tierflow_bytes_per_second'] / gib:15.2f} {r['ratio_to_bound']:7.3f} {tc} {tr:>9} {dc} {dr:>7}")
     for name in ("torch_fused", "deepspeed"):
         u = [r[name]["unavailable"] for r in result["adamw"] if "unavailable" in r[name]]
         if u:
             print(f"  {name}: {u[0]}")
+    print("  pages: huge = tierflow --pages huge and the peers with THP_MEM_ALLOC_ENABLE=1; 4k = neither")
     print("\ntierflow AdamW, other dtypes (params/s counts the work, bytes/s the traffic)")
     print(f"{'threads':>7} {'param':>6} {'state':>6} {'B/param':>8} {'Gparams/s':>10} {'GiB/s':>7}")
     for m in result["modes"]:
