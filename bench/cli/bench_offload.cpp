@@ -102,7 +102,9 @@ json result_json(const bench::offload_plan& plan, const bench::offload_result& r
             {"state_on_nvme", plan.memory.state_on_nvme},
             {"state_bytes", plan.memory.state_bytes},
             {"host_stream_bytes", plan.memory.stream_tier},
-            {"optimizer_threads", plan.optimizer_threads}};
+            {"optimizer_threads", plan.optimizer_threads},
+            {"optimizer_cpus", r.optimizer_cpus},
+            {"trainer_cpus", r.trainer_cpus}};
   if (r.optimizer_step_seconds > 0) {
     j["optimizer_step_seconds"] = r.optimizer_step_seconds;
     j["io_alone_seconds"] = r.io_alone_seconds;
@@ -125,6 +127,15 @@ void print_human(const bench::offload_plan& plan, const bench::offload_result& r
               format_bytes(static_cast<double>(plan.memory.state_bytes)).c_str(),
               plan.memory.state_on_nvme ? "NVMe" : "the host",
               format_bytes(static_cast<double>(plan.memory.stream_tier)).c_str(), plan.optimizer_threads);
+  if (!r.optimizer_cpus.empty()) {
+    auto list = [](const std::vector<int>& cpus) {
+      std::string out;
+      for (const int c : cpus) out += (out.empty() ? "" : ",") + std::to_string(c);
+      return out.empty() ? std::string("-") : out;
+    };
+    std::printf("  optimizer threads pinned to CPUs %s, the trainer's thread to %s (pt_reserved_cores_perc)\n",
+                list(r.optimizer_cpus).c_str(), list(r.trainer_cpus).c_str());
+  }
   std::printf("  %-6s %10s %10s %10s\n", "step", "seconds", "stall", "host");
   for (const auto& s : r.steps) {
     std::printf("  %-6llu %10.3f %10.3f %10.3f%s\n", static_cast<unsigned long long>(s.step), s.seconds,

@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tierflow/core/affinity.hpp"
 #include "tierflow/core/assert.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/optimizer_stream.hpp"
@@ -311,7 +312,29 @@ offload_result run_offload(const offload_plan& plan) {
     for (auto& g : gradient) g = normal(rng);
   }
 
-  optim::executor ex(static_cast<int>(plan.optimizer_threads));
+  // ZenFlow splits the cores as pt_reserved_cores_perc says: the optimizer's
+  // threads (and the engine's CPU-step thread) on their share, this thread —
+  // the trainer's, which drives the device and accumulates gradients — on
+  // the rest. The other strategies leave placement to the OS.
+  core_split cores;
+  if (o.strategy == strategy::zenflow) {
+    cores = split_cores(plan.zenflow.pt_reserved_cores_perc);
+    r.optimizer_cpus = cores.optimizer;
+    r.trainer_cpus = cores.trainer;
+  }
+  optim::executor ex(static_cast<int>(plan.optimizer_threads), "auto", cores.optimizer);
+  // Restores this thread's mask on the way out, so a caller running several
+  // strategies in one process gets its CPUs back.
+  struct affinity_guard {
+    std::vector<int> saved = current_affinity();
+    ~affinity_guard() {
+      try {
+        pin_current_thread(saved);
+      } catch (const std::exception&) {
+      }
+    }
+  } restore;
+  if (!cores.trainer.empty()) pin_current_thread(cores.trainer);
   optim_rule rule(plan.chunks, ex);
   upload_link h2d(o.device_model);
   std::vector<trace_event> events;

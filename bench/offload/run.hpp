@@ -54,6 +54,9 @@ struct offload_result {
   double window_compute_seconds = 0;
   double cpu_step_seconds = 0;
   double host_work_per_step_seconds = 0;
+  // The CPUs the optimizer threads were pinned to (ZenFlow: the share
+  // pt_reserved_cores_perc leaves; empty: not pinned) and the trainer's.
+  std::vector<int> optimizer_cpus, trainer_cpus;
   std::string hideability;  // one sentence: hideable or not, and what would make it so
   std::string telemetry_json;  // the store's snapshot
 };

@@ -1,5 +1,6 @@
 #include "tierflow/core/affinity.hpp"
 
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -40,15 +41,34 @@ core_split split_cores(double reserved_share) {
   return split;
 }
 
-void pin_current_thread(std::span<const int> cpus) {
+namespace {
+
+cpu_set_t cpu_set_of(std::span<const int> cpus, std::string& names) {
   cpu_set_t set;
   CPU_ZERO(&set);
-  std::string names;
   for (const int c : cpus) {
+    if (c < 0 || c >= CPU_SETSIZE) throw user_error("CPU " + std::to_string(c) + " is out of range");
     CPU_SET(c, &set);
-    names += (names.empty() ? "" : ",") + std::to_string(c);
+    if (!names.empty()) names += ',';
+    names += std::to_string(c);
   }
+  return set;
+}
+
+}  // namespace
+
+void pin_current_thread(std::span<const int> cpus) {
+  std::string names;
+  const cpu_set_t set = cpu_set_of(cpus, names);
   TF_CHECK_SYSCALL(::sched_setaffinity(0, sizeof set, &set), error_context{"sched_setaffinity"}.at("cpus " + names));
+}
+
+void pin_thread(std::thread::native_handle_type thread, std::span<const int> cpus) {
+  std::string names;
+  const cpu_set_t set = cpu_set_of(cpus, names);
+  // pthread_setaffinity_np returns the error instead of setting errno.
+  const int rc = ::pthread_setaffinity_np(thread, sizeof set, &set);
+  if (rc != 0) throw error(rc, error_context{"pthread_setaffinity_np"}.at("cpus " + names));
 }
 
 }  // namespace tierflow

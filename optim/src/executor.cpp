@@ -1,10 +1,15 @@
 #include "tierflow/optim/executor.hpp"
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 
+#include <oneapi/tbb/task_scheduler_observer.h>
+
 #include "kernels.hpp"
 #include "tiles.hpp"
+#include "tierflow/core/affinity.hpp"
 #include "tierflow/core/assert.hpp"
 #include "tierflow/core/error.hpp"
 
@@ -37,13 +42,56 @@ std::int64_t pick_target(std::string_view simd, std::string& chosen) {
 }
 }  // namespace
 
-executor::executor(int threads, std::string_view simd)
+// Pins each pool thread, as it joins the arena, to the CPU of its slot.
+// Slots are unique among the threads in the arena at one time, so no two
+// pool threads share a CPU while both work.
+class executor::pin_observer final : public tbb::task_scheduler_observer {
+ public:
+  pin_observer(tbb::task_arena& arena, const std::vector<int>& cpus)
+      : tbb::task_scheduler_observer(arena), cpus_(cpus) {
+    observe(true);
+  }
+  ~pin_observer() override { observe(false); }
+
+  void on_scheduler_entry(bool is_worker) override {
+    if (!is_worker) return;  // the calling thread is the caller's to place
+    const int slot = std::max(0, tbb::this_task_arena::current_thread_index());
+    const int cpu = cpus_[static_cast<std::size_t>(slot) % cpus_.size()];
+    try {
+      pin_current_thread(std::span(&cpu, 1));
+    } catch (const std::exception&) {
+      failures_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  std::uint64_t failures() const noexcept { return failures_.load(std::memory_order_relaxed); }
+
+ private:
+  const std::vector<int>& cpus_;
+  std::atomic<std::uint64_t> failures_{0};
+};
+
+executor::executor(int threads, std::string_view simd, std::vector<int> cpus)
     : threads_(threads),
       target_(0),
+      cpus_(std::move(cpus)),
       arena_(threads >= 1 ? threads : 1, /*reserved_for_masters=*/1) {
   if (threads < 1) throw user_error("threads: must be at least 1, got " + std::to_string(threads));
   target_ = pick_target(simd, simd_name_);
+  if (!cpus_.empty()) {
+    const std::vector<int> allowed = current_affinity();
+    for (const int c : cpus_) {
+      if (std::find(allowed.begin(), allowed.end(), c) == allowed.end())
+        throw user_error("optimizer CPUs: CPU " + std::to_string(c) + " is not one this process may run on");
+    }
+    arena_.initialize();
+    observer_ = std::make_unique<pin_observer>(arena_, cpus_);
+  }
 }
+
+executor::~executor() = default;
+
+std::uint64_t executor::pin_failures() const noexcept { return observer_ ? observer_->failures() : 0; }
 
 void first_touch(executor& ex, tensor_ref buffer) {
   if (buffer.size == 0) return;

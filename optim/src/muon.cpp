@@ -15,6 +15,7 @@
 #include <dnnl.hpp>
 
 #include "kernels.hpp"
+#include "tierflow/core/affinity.hpp"
 #include "validate.hpp"
 
 namespace tierflow::optim {
@@ -183,6 +184,29 @@ void require_shape(std::size_t rows, std::size_t cols) {
                   "must be at least 1 x 1, got " + std::to_string(rows) + " x " + std::to_string(cols));
 }
 
+// Sizes the OpenMP team (oneDNN's threads and the element loops here) to
+// the executor, and pins its pool threads to the executor's CPUs as the
+// executor pins its oneTBB threads: team thread t > 0 on cpus[t mod size].
+// Thread 0 is the caller, whose placement is the caller's.
+void use_threads(executor& ex) {
+  omp_set_num_threads(ex.threads());
+  const std::vector<int>& cpus = ex.cpus();
+  if (cpus.empty() || ex.threads() < 2) return;
+#pragma omp parallel
+  {
+    const int t = omp_get_thread_num();
+    if (t > 0) {
+      const int cpu = cpus[static_cast<std::size_t>(t) % cpus.size()];
+      try {
+        pin_current_thread(std::span(&cpu, 1));
+      } catch (const std::exception&) {
+        // The executor checked these CPUs; a refusal now leaves the thread
+        // where it was, which is slower but correct.
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // NS(in) into out; `in` may be ws.u. The transposition of a tall matrix is
@@ -191,7 +215,7 @@ void muon_optimizer::orthogonalize_into(executor& ex, const float* in, std::size
                                         std::size_t cols, float* out) {
   workspace& ws = *ws_;
   const muon_options& o = options_;
-  omp_set_num_threads(ex.threads());
+  use_threads(ex);
   const dtype gemm = o.gemm_dtype;
   ws.reserve(rows, cols, gemm);
   const bool tall = rows > cols;
@@ -253,7 +277,7 @@ void muon_optimizer::orthogonalize(executor& ex, std::span<const float> in, std:
 
 void muon_optimizer::run_gemms_only(executor& ex, std::size_t rows, std::size_t cols) {
   require_shape(rows, cols);
-  omp_set_num_threads(ex.threads());
+  use_threads(ex);
   ws_->reserve(rows, cols, options_.gemm_dtype);
   const std::size_t m = std::min(rows, cols), n = std::max(rows, cols);
   const ns_plan& p = ws_->plan(m, n, options_.gemm_dtype);
@@ -290,7 +314,7 @@ void muon_optimizer::step(executor& ex, const muon_matrix& mat, float grad_scale
   }
   detail::require_grad_scale(grad_scale);
 
-  omp_set_num_threads(ex.threads());
+  use_threads(ex);
   workspace& ws = *ws_;
   ws.reserve(mat.rows, mat.cols, o.gemm_dtype);
   float* u = ws.u.data();

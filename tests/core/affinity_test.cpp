@@ -1,6 +1,8 @@
 #include "tierflow/core/affinity.hpp"
 
 #include <algorithm>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -21,7 +23,9 @@ TEST(Affinity, SplitCoversEveryCpuOnce) {
       all.insert(all.end(), s.optimizer.begin(), s.optimizer.end());
       std::sort(all.begin(), all.end());
       EXPECT_EQ(all, cpus) << share;
-      if (share > 0) EXPECT_FALSE(s.trainer.empty()) << share;
+      if (share > 0) {
+        EXPECT_FALSE(s.trainer.empty()) << share;
+      }
     }
   }
   EXPECT_THROW(split_cores(1.0), user_error);
@@ -39,6 +43,29 @@ TEST(Affinity, PinningAThreadNarrowsItsMask) {
   EXPECT_EQ(seen, std::vector<int>{cpus.back()});
   EXPECT_EQ(current_affinity(), cpus);  // other threads keep theirs
   EXPECT_THROW(pin_current_thread(std::vector<int>{CPU_SETSIZE - 1}), error);
+  EXPECT_THROW(pin_current_thread(std::vector<int>{-1}), user_error);
+}
+
+TEST(Affinity, PinningAnotherThreadNarrowsItsMask) {
+  const auto cpus = current_affinity();
+  std::mutex m;
+  std::condition_variable cv;
+  bool pinned = false;
+  std::vector<int> seen;
+  std::thread t([&] {
+    std::unique_lock lock(m);
+    cv.wait(lock, [&] { return pinned; });
+    seen = current_affinity();
+  });
+  pin_thread(t.native_handle(), std::span(cpus).first(1));
+  {
+    std::lock_guard lock(m);
+    pinned = true;
+  }
+  cv.notify_all();
+  t.join();
+  EXPECT_EQ(seen, std::vector<int>{cpus.front()});
+  EXPECT_EQ(current_affinity(), cpus);
 }
 
 }  // namespace

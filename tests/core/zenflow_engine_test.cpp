@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include "tierflow/core/affinity.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/zenflow/standin.hpp"
 
@@ -276,6 +277,33 @@ TEST(ZenflowEngine, AutomaticUpdateIntervalClosesWindowsFromGradientMass) {
   const auto windows = z.eng.stats().cpu_steps;
   EXPECT_GT(windows, 1u);
   EXPECT_LT(windows, 30u);  // the unimportant mass takes more than a step to catch up
+}
+
+// Records the CPUs each host-side apply() ran on.
+class affinity_rule final : public update_rule {
+ public:
+  granularity unit(std::size_t) const noexcept override { return granularity::columns; }
+  std::size_t state_count() const noexcept override { return 2; }
+  void apply(const update_args& a) override {
+    if (a.where == side::host) seen.push_back(current_affinity());
+  }
+  std::vector<std::vector<int>> seen;  // written by one thread at a time (the engine's CPU step)
+};
+
+TEST(ZenflowEngine, OverlappedCpuStepRunsOnTheOptimizerShareOfTheCores) {
+  affinity_rule rule;
+  config c = step_config(0.25, 2, 1000, true);
+  c.pt_reserved_cores_perc = 0.5;
+  {
+    zenflow_run z(c, rule);
+    EXPECT_EQ(z.eng.cores().optimizer, split_cores(0.5).optimizer);
+    z.train(6);
+    z.eng.finish();
+    ASSERT_FALSE(rule.seen.empty());
+    for (const auto& cpus : rule.seen) EXPECT_EQ(cpus, z.eng.cores().optimizer);
+  }
+  // The trainer's own thread is left as it was.
+  EXPECT_EQ(current_affinity().size(), split_cores(0.0).optimizer.size());
 }
 
 TEST(ZenflowEngine, RefusesBadSetups) {

@@ -87,7 +87,21 @@ engine::engine(const config& cfg, std::vector<weight_shape> weights, device_side
     windows_[k].runs.resize(weights_.size());
     for (const std::size_t w : matrices_) windows_[k].grad[w].assign(weights_[w].elements(), 0.0f);
   }
-  if (config_.overlap_step) worker_ = std::thread(&engine::worker_loop, this);
+  cores_ = split_cores(config_.pt_reserved_cores_perc);
+  if (config_.overlap_step) {
+    worker_ = std::thread(&engine::worker_loop, this);
+    try {
+      pin_thread(worker_.native_handle(), cores_.optimizer);
+    } catch (...) {
+      {
+        std::lock_guard lock(mutex_);
+        stop_ = true;
+      }
+      cv_.notify_all();
+      worker_.join();
+      throw;
+    }
+  }
 }
 
 engine::~engine() {

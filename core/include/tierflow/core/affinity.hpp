@@ -3,6 +3,7 @@
 #pragma once
 
 #include <span>
+#include <thread>
 #include <vector>
 
 namespace tierflow {
@@ -21,6 +22,9 @@ core_split split_cores(double reserved_share);
 // Pins the calling thread to `cpus`. Throws tierflow::error when the kernel
 // refuses (naming the CPUs).
 void pin_current_thread(std::span<const int> cpus);
+
+// Pins another thread of this process (a std::thread's native handle).
+void pin_thread(std::thread::native_handle_type thread, std::span<const int> cpus);
 
 // The CPUs the calling thread may run on.
 std::vector<int> current_affinity();

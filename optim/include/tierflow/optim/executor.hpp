@@ -9,11 +9,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
-#include <vector>
-
 #include <utility>
+#include <vector>
 
 #include <oneapi/tbb/task_arena.h>
 
@@ -30,8 +30,16 @@ class executor {
  public:
   // `threads` >= 1 worker threads (the calling thread counts as one of them).
   // `simd` is "auto" (the best of simd_targets()) or one of its names.
-  // Throws user_error for threads < 1 or a target not in simd_targets().
-  explicit executor(int threads = 1, std::string_view simd = "auto");
+  // `cpus`, when given, are the CPUs the optimizer may use (split_cores's
+  // optimizer share): each pool thread that joins the arena pins itself to
+  // one of them, a different one per arena slot. The calling thread is the
+  // caller's to place (ZenFlow's engine pins its CPU-step thread to the same
+  // CPUs). Throws user_error for threads < 1, a target not in simd_targets(),
+  // or a CPU this process may not run on.
+  explicit executor(int threads = 1, std::string_view simd = "auto", std::vector<int> cpus = {});
+  ~executor();
+  executor(const executor&) = delete;
+  executor& operator=(const executor&) = delete;
 
   int threads() const noexcept { return threads_; }
   // The chosen target's name, as simd_targets() spells it.
@@ -47,11 +55,21 @@ class executor {
   // The Highway target bit; for the kernels (optim/src).
   std::int64_t target() const noexcept { return target_; }
 
+  // The CPUs the pool threads are pinned to (empty: not pinned).
+  const std::vector<int>& cpus() const noexcept { return cpus_; }
+  // How many times a pool thread could not pin itself (the kernel refused);
+  // 0 when every entry was pinned. Reported, never thrown from a pool thread.
+  std::uint64_t pin_failures() const noexcept;
+
  private:
+  class pin_observer;
+
   int threads_;
   std::int64_t target_;
   std::string simd_name_;
+  std::vector<int> cpus_;
   tbb::task_arena arena_;
+  std::unique_ptr<pin_observer> observer_;  // after arena_: stops observing before the arena goes
 };
 
 // Writes zeros over `buffer` with the executor's threads, in the same

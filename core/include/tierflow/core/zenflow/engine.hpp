@@ -41,6 +41,7 @@
 #include <thread>
 #include <vector>
 
+#include "tierflow/core/affinity.hpp"
 #include "tierflow/core/zenflow/config.hpp"
 #include "tierflow/core/zenflow/selection.hpp"
 
@@ -202,6 +203,11 @@ class engine {
   void finish();
 
   const schedule& resolved() const noexcept { return schedule_; }
+  // The CPUs split by pt_reserved_cores_perc. With overlap_step the engine's
+  // CPU-step thread is pinned to cores().optimizer; the trainer pins its own
+  // thread to cores().trainer if it wants to, and builds the optimizer's
+  // executor on cores().optimizer (the rule's threads are the program's).
+  const core_split& cores() const noexcept { return cores_; }
   const engine_stats& stats() const noexcept { return stats_; }
   const std::vector<weight_shape>& weights() const noexcept { return weights_; }
   // The device-owned columns of weight `w` (empty until the first selection;
@@ -232,6 +238,7 @@ class engine {
 
   config config_;
   schedule schedule_;
+  core_split cores_;
   std::vector<weight_shape> weights_;
   device_side& device_;
   host_state& host_;
