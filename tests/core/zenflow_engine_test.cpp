@@ -11,6 +11,7 @@
 #include "tierflow/core/affinity.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/zenflow/standin.hpp"
+#include "zenflow_step_config.hpp"
 
 namespace tierflow::zenflow {
 namespace {
@@ -161,16 +162,6 @@ struct zenflow_run {
   }
 };
 
-config step_config(double topk, std::uint64_t update, std::uint64_t select, bool overlap, std::uint64_t warm = 0) {
-  config c;
-  c.topk_ratio = topk;
-  c.strategy = select_strategy::step;
-  c.update_interval = update;
-  c.select_interval = select;
-  c.overlap_step = overlap;
-  c.full_warm_up_rounds = warm;
-  return c;
-}
 
 void expect_identical(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b,
                       std::uint64_t step) {

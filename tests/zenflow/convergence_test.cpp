@@ -40,6 +40,7 @@
 #include "tierflow/core/zenflow/standin.hpp"
 #include "tierflow/optim/adam.hpp"
 #include "tierflow/optim/executor.hpp"
+#include "../core/zenflow_step_config.hpp"
 
 namespace tierflow::zenflow {
 namespace {
@@ -256,13 +257,9 @@ curve train_zenflow(const data_set& d, const std::vector<std::vector<float>>& in
 // file's comment for what was measured).
 constexpr double tolerance = 1.25;
 
+// The optimizer threads are the test's own (one): no core split.
 config zenflow_config(double topk, std::uint64_t update, std::uint64_t select, bool overlap) {
-  config c;
-  c.topk_ratio = topk;
-  c.strategy = select_strategy::step;
-  c.update_interval = update;
-  c.select_interval = select;
-  c.overlap_step = overlap;
+  config c = step_config(topk, update, select, overlap);
   c.pt_reserved_cores_perc = 0.0;
   return c;
 }
