@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstddef>
 #include <cstring>
 #include <map>
 #include <string>
@@ -45,14 +46,53 @@ inline std::uint16_t float_to_bf16(float f) {
   return static_cast<std::uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// The three matmuls of one Newton–Schulz iteration for X of m × n (m <= n):
+// One block row of a symmetric product P = S Sᵀ (m × m): rows [row0,
+// row0 + rows) and only the columns [row0, m) — the upper triangle and its
+// diagonal block. The lower triangle is mirrored afterwards.
+struct sym_block {
+  std::size_t row0 = 0, rows = 0;
+  dnnl::matmul gram, square;
+  dnnl::memory::desc gram_src, gram_wei, gram_dst, square_src, square_wei, square_dst;
+};
+
+// The matmuls of one Newton–Schulz iteration for X of m × n (m <= n):
 //   gram:   A  = X Xᵀ        (m × m; bf16 out in bf16 mode, as torch rounds it)
 //   square: A2 = A A         (m × m, fp32 out: combined with A and I next)
 //   update: X' = B X         (m × n; B = c A2 + b A + a I)
+// A and A2 are symmetric, so each is computed by block rows over its upper
+// triangle only and mirrored: with k block rows that is (k+1)/2k of the
+// multiply-adds (62.5% at k = 4), and the mirrored result is exactly
+// symmetric where a full product is so only up to rounding.
 struct ns_plan {
-  dnnl::matmul gram, square, update;
-  dnnl::memory::desc x_md, xt_md, a_md, a2_md, b_md, y_md;
+  std::vector<sym_block> blocks;
+  dnnl::matmul update;
+  dnnl::memory::desc x_md, b_md, y_md;
 };
+
+// Block rows for the symmetric products of an m × m result: about m/8 rows
+// each (a multiple of 64), never fewer than 256 — smaller blocks lose more
+// GEMM efficiency than the triangle saves.
+std::size_t sym_block_rows(std::size_t m) {
+  const std::size_t eighth = (m / 8 + 63) / 64 * 64;
+  return std::min(m, std::max<std::size_t>(256, eighth));
+}
+
+// Copies the upper triangle of the m × m row-major `a` onto its lower one,
+// in 32 × 32 tiles, in parallel.
+template <class T>
+void mirror_upper(T* a, std::size_t m) {
+  constexpr std::size_t tile = 32;
+  const auto tiles = static_cast<std::int64_t>((m + tile - 1) / tile);
+#pragma omp parallel for schedule(dynamic, 1)
+  for (std::int64_t ti = 0; ti < tiles; ++ti) {
+    const std::size_t i0 = static_cast<std::size_t>(ti) * tile, i1 = std::min(m, i0 + tile);
+    for (std::size_t j0 = 0; j0 <= i0; j0 += tile) {
+      const std::size_t j1 = std::min(m, j0 + tile);
+      for (std::size_t i = i0; i < i1; ++i)
+        for (std::size_t j = j0; j < std::min(j1, i); ++j) a[i * m + j] = a[j * m + i];
+    }
+  }
+}
 
 }  // namespace
 
@@ -70,17 +110,32 @@ struct muon_optimizer::workspace {
     auto it = plans.find(key);
     if (it != plans.end()) return it->second;
     const dt t = gemm == dtype::bf16 ? dt::bf16 : dt::f32;
+    using dims = dnnl::memory::dims;
     const auto M = static_cast<dnnl::memory::dim>(m), N = static_cast<dnnl::memory::dim>(n);
     ns_plan p;
     p.x_md = dnnl::memory::desc({M, N}, t, tag::ab);
-    p.xt_md = dnnl::memory::desc({N, M}, t, tag::ba);  // Xᵀ as a view of X's buffer
-    p.a_md = dnnl::memory::desc({M, M}, t, tag::ab);
-    p.a2_md = dnnl::memory::desc({M, M}, dt::f32, tag::ab);
     p.b_md = dnnl::memory::desc({M, M}, t, tag::ab);
     p.y_md = dnnl::memory::desc({M, N}, t, tag::ab);
-    p.gram = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(p.x_md, p.xt_md, p.a_md), engine));
-    p.square = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(p.a_md, p.a_md, p.a2_md), engine));
     p.update = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(p.b_md, p.x_md, p.y_md), engine));
+    const std::size_t block = sym_block_rows(m);
+    for (std::size_t row0 = 0; row0 < m; row0 += block) {
+      sym_block b;
+      b.row0 = row0;
+      b.rows = std::min(block, m - row0);
+      const auto R = static_cast<dnnl::memory::dim>(b.rows), W = static_cast<dnnl::memory::dim>(m - row0);
+      // gram: X[row0 : row0+rows, :] · (X[row0 : m, :])ᵀ into A[row0.., row0..] (leading dimension m)
+      b.gram_src = dnnl::memory::desc({R, N}, t, tag::ab);
+      b.gram_wei = dnnl::memory::desc({N, W}, t, tag::ba);
+      b.gram_dst = dnnl::memory::desc({R, W}, t, dims{M, 1});
+      // square: A[row0 : row0+rows, :] · A[:, row0 : m] into A2[row0.., row0..]
+      b.square_src = dnnl::memory::desc({R, M}, t, tag::ab);
+      b.square_wei = dnnl::memory::desc({M, W}, t, dims{M, 1});
+      b.square_dst = dnnl::memory::desc({R, W}, dt::f32, dims{M, 1});
+      b.gram = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(b.gram_src, b.gram_wei, b.gram_dst), engine));
+      b.square = dnnl::matmul(
+          dnnl::matmul::primitive_desc(dnnl::matmul::desc(b.square_src, b.square_wei, b.square_dst), engine));
+      p.blocks.push_back(std::move(b));
+    }
     return plans.emplace(key, std::move(p)).first->second;
   }
 
@@ -104,24 +159,49 @@ struct muon_optimizer::workspace {
     return gemm == dtype::bf16 ? static_cast<void*>(x16[i].data()) : static_cast<void*>(x32[i].data());
   }
 
+  // The GEMMs of one iteration on X in x_buffer(cur), into x_buffer(1 - cur).
+  // With `combine_too` the element passes between them run as well (mirror,
+  // B = c A2 + b A + a I); without, the GEMMs alone (the bound NS is
+  // measured against).
+  void iteration(const muon_options& o, const ns_plan& p, std::size_t m, std::size_t n, int cur, bool combine_too) {
+    const dtype gemm = o.gemm_dtype;
+    const std::size_t elem = gemm == dtype::bf16 ? 2 : 4;
+    auto* x = static_cast<std::byte*>(x_buffer(cur, gemm));
+    auto* a = gemm == dtype::bf16 ? reinterpret_cast<std::byte*>(a16.data()) : reinterpret_cast<std::byte*>(a32.data());
+    auto* a2b = reinterpret_cast<std::byte*>(a2.data());
+    for (const sym_block& b : p.blocks) {
+      dnnl::memory src(b.gram_src, engine, x + b.row0 * n * elem), wei(b.gram_wei, engine, x + b.row0 * n * elem),
+          dst(b.gram_dst, engine, a + (b.row0 * m + b.row0) * elem);
+      b.gram.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
+    }
+    stream.wait();
+    if (combine_too) {
+      if (gemm == dtype::bf16) mirror_upper(a16.data(), m);
+      else mirror_upper(a32.data(), m);
+    }
+    for (const sym_block& b : p.blocks) {
+      dnnl::memory src(b.square_src, engine, a + b.row0 * m * elem), wei(b.square_wei, engine, a + b.row0 * elem),
+          dst(b.square_dst, engine, a2b + (b.row0 * m + b.row0) * 4);
+      b.square.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
+    }
+    stream.wait();
+    if (combine_too) {
+      mirror_upper(a2.data(), m);
+      combine(o, m);
+    }
+    void* b_buf = gemm == dtype::bf16 ? static_cast<void*>(b16.data()) : static_cast<void*>(a2.data());
+    dnnl::memory b_mem(p.b_md, engine, b_buf), x_mem(p.x_md, engine, x),
+        y_mem(p.y_md, engine, x_buffer(1 - cur, gemm));
+    p.update.execute(stream, {{DNNL_ARG_SRC, b_mem}, {DNNL_ARG_WEIGHTS, x_mem}, {DNNL_ARG_DST, y_mem}});
+    stream.wait();
+  }
+
   // ns_steps iterations on X in x_buffer(0); returns which buffer holds the result.
   int iterate(const muon_options& o, std::size_t m, std::size_t n) {
-    const dtype gemm = o.gemm_dtype;
-    const ns_plan& p = plan(m, n, gemm);
-    void* a_buf = gemm == dtype::bf16 ? static_cast<void*>(a16.data()) : static_cast<void*>(a32.data());
-    void* b_buf = gemm == dtype::bf16 ? static_cast<void*>(b16.data()) : static_cast<void*>(a2.data());
-    dnnl::memory a_mem(p.a_md, engine, a_buf), a2_mem(p.a2_md, engine, a2.data()),
-        b_mem(p.b_md, engine, b_buf);
+    const ns_plan& p = plan(m, n, o.gemm_dtype);
     int cur = 0;
     for (int s = 0; s < o.ns_steps; ++s) {
-      dnnl::memory x_mem(p.x_md, engine, x_buffer(cur, gemm)), xt_mem(p.xt_md, engine, x_buffer(cur, gemm)),
-          y_mem(p.y_md, engine, x_buffer(1 - cur, gemm));
-      p.gram.execute(stream, {{DNNL_ARG_SRC, x_mem}, {DNNL_ARG_WEIGHTS, xt_mem}, {DNNL_ARG_DST, a_mem}});
-      p.square.execute(stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, a_mem}, {DNNL_ARG_DST, a2_mem}});
-      stream.wait();
-      combine(o, m);
-      p.update.execute(stream, {{DNNL_ARG_SRC, b_mem}, {DNNL_ARG_WEIGHTS, x_mem}, {DNNL_ARG_DST, y_mem}});
-      stream.wait();
+      iteration(o, p, m, n, cur, /*combine_too=*/true);
       cur = 1 - cur;
     }
     return cur;
@@ -281,22 +361,7 @@ void muon_optimizer::run_gemms_only(executor& ex, std::size_t rows, std::size_t 
   ws_->reserve(rows, cols, options_.gemm_dtype);
   const std::size_t m = std::min(rows, cols), n = std::max(rows, cols);
   const ns_plan& p = ws_->plan(m, n, options_.gemm_dtype);
-  const bool bf16 = options_.gemm_dtype == dtype::bf16;
-  workspace& ws = *ws_;
-  void* a_buf = bf16 ? static_cast<void*>(ws.a16.data()) : static_cast<void*>(ws.a32.data());
-  void* b_buf = bf16 ? static_cast<void*>(ws.b16.data()) : static_cast<void*>(ws.a2.data());
-  dnnl::memory a_mem(p.a_md, ws.engine, a_buf), a2_mem(p.a2_md, ws.engine, ws.a2.data()),
-      b_mem(p.b_md, ws.engine, b_buf);
-  for (int s = 0; s < options_.ns_steps; ++s) {
-    const int cur = s & 1;
-    dnnl::memory x_mem(p.x_md, ws.engine, ws.x_buffer(cur, options_.gemm_dtype)),
-        xt_mem(p.xt_md, ws.engine, ws.x_buffer(cur, options_.gemm_dtype)),
-        y_mem(p.y_md, ws.engine, ws.x_buffer(1 - cur, options_.gemm_dtype));
-    p.gram.execute(ws.stream, {{DNNL_ARG_SRC, x_mem}, {DNNL_ARG_WEIGHTS, xt_mem}, {DNNL_ARG_DST, a_mem}});
-    p.square.execute(ws.stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, a_mem}, {DNNL_ARG_DST, a2_mem}});
-    p.update.execute(ws.stream, {{DNNL_ARG_SRC, b_mem}, {DNNL_ARG_WEIGHTS, x_mem}, {DNNL_ARG_DST, y_mem}});
-  }
-  ws.stream.wait();
+  for (int s = 0; s < options_.ns_steps; ++s) ws_->iteration(options_, p, m, n, s & 1, /*combine_too=*/false);
 }
 
 void muon_optimizer::step(executor& ex, const muon_matrix& mat, float grad_scale) {

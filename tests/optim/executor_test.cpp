@@ -46,9 +46,14 @@ TEST(Executor, PoolThreadsArePinnedToTheGivenCpus) {
   EXPECT_EQ(current_affinity(), all);  // the caller's thread is untouched
 }
 
-TEST(Executor, WithoutCpusNothingIsPinned) {
+TEST(Executor, WithoutCpusNothingIsPinnedEvenAfterAPinnedExecutorRan) {
   const std::vector<int> all = current_affinity();
   if (all.size() < 2) GTEST_SKIP() << "needs two CPUs to have a pool thread";
+  {
+    // oneTBB's pool threads serve every arena: the pin must leave with them.
+    executor pinned(2, "auto", {all.back()});
+    ASSERT_FALSE(pool_affinities(pinned).empty());
+  }
   executor ex(2);
   EXPECT_TRUE(ex.cpus().empty());
   for (const auto& [id, cpus] : pool_affinities(ex)) EXPECT_EQ(cpus, all);
