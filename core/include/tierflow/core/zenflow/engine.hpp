@@ -137,7 +137,9 @@ class device_side {
   // step's gradient, at step `step`, and refreshes their compute copy.
   virtual void update_owned(std::size_t w, std::int64_t step) = 0;
   // This step's gradient of `w` in host memory (fp32, the whole weight),
-  // brought down device → host; valid until the next call for `w`.
+  // brought down device → host; valid until the next download_gradient()
+  // call, for any weight (the engine adds each up before asking for the
+  // next, so one host buffer may serve every weight).
   virtual std::span<const float> download_gradient(std::size_t w) = 0;
   // Sends the new master values of the host-owned `runs` of `w` (host memory
   // laid out as the whole weight) up to a staging area on the device, host →

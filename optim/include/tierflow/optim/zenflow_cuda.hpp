@@ -1,0 +1,103 @@
+// ZenFlow's device side on a CUDA GPU: the engine's zenflow::device_side over
+// the trainer's own parameter and gradient tensors in device memory.
+//
+// The device keeps, per weight, the fp32 master values and the Adam moments
+// of the columns it owns (the engine's selection; all of a 1-D weight),
+// packed column after column in ascending column order, and updates them
+// every step with Adam or AdamW, writing the result into the trainer's
+// compute copy. It is the stand-in device (core's standin_device) on a GPU,
+// with the same semantics, and its arithmetic per element is adam_optimizer's
+// (bit-identical to its FMA SIMD paths).
+//
+// Adam/AdamW only: Muon's whole-matrix rule (granularity::matrix) is not run
+// here, and amsgrad is refused. The engine's update_rule must apply the same
+// Adam on the host side.
+//
+// Threads and streams: everything runs on the trainer's stream and thread,
+// except stage_upload(), which the engine calls from its CPU-step thread and
+// which uses a stream, a pinned buffer and a staging area of its own.
+// column_importance(), download_gradient(), initialize() and hand_over()
+// wait for the trainer's stream (they return host data); update_owned() and
+// apply_staged() only enqueue.
+//
+// Needs a CUDA build of tierflow; elsewhere the constructor throws user_error.
+// This header does not include the CUDA runtime's.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "tierflow/core/dtype.hpp"
+#include "tierflow/core/zenflow/engine.hpp"
+#include "tierflow/optim/adam.hpp"
+
+namespace tierflow::optim {
+
+// One weight as the trainer holds it on the device. Layout of both: the
+// weight's flat buffer, a 2-D weight stored transposed (column c is elements
+// [c·rows, (c+1)·rows)), rows·cols elements.
+struct cuda_zenflow_weight {
+  void* parameters = nullptr;      // the compute copy, options.compute_type, written by the device side
+  const void* gradient = nullptr;  // this step's gradient, options.grad_type, written by the backward
+};
+
+struct cuda_zenflow_options {
+  int device = 0;                    // the CUDA device the tensors live on
+  dtype compute_type = dtype::bf16;  // of the compute copies: fp32, bf16 or fp16
+  dtype grad_type = dtype::bf16;     // of the gradients: fp32, bf16 or fp16
+  adam_options adam;                 // amsgrad must be off
+  // The trainer's compute stream (a cudaStream_t), which produces the
+  // gradients and consumes the parameters; 0 is the legacy default stream.
+  // It must outlive the device object.
+  std::uintptr_t stream = 0;
+};
+
+class cuda_zenflow_device final : public zenflow::device_side {
+ public:
+  // `weights` and `tensors` in the engine's weight order. Allocates the device
+  // state (the 1-D weights' masters and moments, a staging copy of each 2-D
+  // weight in compute_type) and the pinned buffers. Throws user_error for bad
+  // arguments (sizes that differ, an empty shape, a null, misaligned or
+  // non-device pointer, an unknown dtype, amsgrad, an invalid Adam
+  // hyper-parameter, a device index out of range) and in a build without
+  // CUDA; tierflow::error for a failed CUDA call (no driver, no device, out of
+  // memory), naming the call and the weight.
+  cuda_zenflow_device(const std::vector<zenflow::weight_shape>& weights, std::vector<cuda_zenflow_weight> tensors,
+                      const cuda_zenflow_options& options);
+  // Waits for this object's work on both streams, then frees what it holds.
+  // Never throws: failures are logged to stderr.
+  ~cuda_zenflow_device() override;
+  cuda_zenflow_device(const cuda_zenflow_device&) = delete;
+  cuda_zenflow_device& operator=(const cuda_zenflow_device&) = delete;
+
+  // Sets weight `w`'s initial fp32 master: written, converted, into its
+  // compute copy, and for a 1-D weight (which the device owns from the start)
+  // also kept as the device's master with zero moments. The host_state's
+  // master must start from the same values. Throws user_error for a wrong
+  // index or size.
+  void initialize(std::size_t w, std::span<const float> master);
+
+  // The columns whose master and moments the device holds, ascending: the
+  // engine's selected(w) after every step.
+  std::span<const std::uint32_t> owned_columns(std::size_t w) const;
+
+  // zenflow::device_side. download_gradient()'s span is valid until the next
+  // download_gradient() call for any weight (one buffer serves them all: the
+  // engine adds each weight's gradient up before it asks for the next).
+  void column_importance(std::size_t w, zenflow::importance_norm norm, std::span<float> out) override;
+  void update_owned(std::size_t w, std::int64_t step) override;
+  std::span<const float> download_gradient(std::size_t w) override;
+  void stage_upload(std::size_t w, std::span<const zenflow::column_run> runs,
+                    std::span<const float> master) override;
+  void apply_staged(std::size_t w, std::span<const zenflow::column_run> runs) override;
+  void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const zenflow::selection_change& change,
+                 const zenflow::host_buffers& host) override;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace tierflow::optim

@@ -1,0 +1,726 @@
+// cuda_zenflow_device: ZenFlow's device side over the trainer's tensors in
+// GPU memory. The host logic of it; the kernels are in zenflow_kernels.cu.
+//
+// Per weight the device holds:
+//   packed        the owned columns' fp32 master, exp_avg and exp_avg_sq,
+//                 slot after slot in ascending column order (three planes of
+//                 slots·rows floats), then the slots' column indices (uint32)
+//   staging       (2-D weights) a whole-weight buffer in compute_type that
+//                 stage_upload() fills from the CPU-step thread and
+//                 apply_staged() copies from into the compute copy
+//   staged_columns the column list of the last upload, for apply_staged()'s
+//                 one-kernel copy
+//   applied       an event after apply_staged()'s copy: the next upload into
+//                 `staging` waits for it
+//
+// Memory: what lives as long as the object is allocated with cudaMalloc at
+// construction. The packed state is reallocated at every hand-over whose
+// selection changes size, with cudaMallocAsync on the trainer's stream where
+// the device has memory pools: stream-ordered allocation does not
+// synchronise the device (cudaMalloc/cudaFree may), and the pool reuses the
+// memory of the hand-over before. Without pools it falls back to cudaMalloc.
+#include "tierflow/optim/zenflow_cuda.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "cuda/zenflow_kernels.hpp"
+#include "kernels.hpp"
+#include "tierflow/core/assert.hpp"
+#include "tierflow/core/cuda_error.hpp"
+#include "tierflow/core/error.hpp"
+
+namespace tierflow::optim {
+namespace {
+
+void warn_cuda(const char* what, cudaError_t rc) noexcept {
+  (void)cudaGetLastError();
+  std::fprintf(stderr, "tierflow: warning: zenflow cuda device: %s: %s\n", what, cudaGetErrorString(rc));
+}
+
+error_context cuda_context(const char* operation) {
+  return error_context{std::string("zenflow ") + operation}.in_tier("device");
+}
+
+// ---- move-only handles ------------------------------------------------------------
+
+// Makes `device` current on the calling thread for a scope and restores the
+// thread's previous device after: the trainer's thread and the engine's
+// CPU-step thread may be set to another device by the program.
+class device_scope {
+ public:
+  explicit device_scope(int device) {
+    TF_CUDA_CHECK(cudaGetDevice(&previous_), cuda_context("cudaGetDevice"));
+    if (previous_ != device) {
+      TF_CUDA_CHECK(cudaSetDevice(device), cuda_context("cudaSetDevice"));
+      changed_ = true;
+    }
+  }
+  ~device_scope() {
+    if (!changed_) return;
+    if (const cudaError_t rc = cudaSetDevice(previous_); rc != cudaSuccess) warn_cuda("cudaSetDevice", rc);
+  }
+  device_scope(const device_scope&) = delete;
+  device_scope& operator=(const device_scope&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+class cuda_stream {
+ public:
+  cuda_stream() = default;
+  static cuda_stream create() {
+    cuda_stream s;
+    // Non-blocking: no implicit synchronisation with the legacy default
+    // stream, so uploads never wait for (or hold up) compute on stream 0.
+    TF_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking),
+                  cuda_context("cudaStreamCreateWithFlags"));
+    return s;
+  }
+  cuda_stream(cuda_stream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)) {}
+  cuda_stream& operator=(cuda_stream&& o) noexcept {
+    if (this != &o) {
+      reset();
+      stream_ = std::exchange(o.stream_, nullptr);
+    }
+    return *this;
+  }
+  ~cuda_stream() { reset(); }
+  cudaStream_t get() const noexcept { return stream_; }
+
+ private:
+  void reset() noexcept {
+    if (!stream_) return;
+    if (const cudaError_t rc = cudaStreamDestroy(std::exchange(stream_, nullptr)); rc != cudaSuccess)
+      warn_cuda("cudaStreamDestroy", rc);
+  }
+  cudaStream_t stream_ = nullptr;
+};
+
+class cuda_event {
+ public:
+  cuda_event() = default;
+  static cuda_event create() {
+    cuda_event e;
+    // Timing off: the cheapest event, used only to order work.
+    TF_CUDA_CHECK(cudaEventCreateWithFlags(&e.event_, cudaEventDisableTiming),
+                  cuda_context("cudaEventCreateWithFlags"));
+    return e;
+  }
+  cuda_event(cuda_event&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}
+  cuda_event& operator=(cuda_event&& o) noexcept {
+    if (this != &o) {
+      reset();
+      event_ = std::exchange(o.event_, nullptr);
+    }
+    return *this;
+  }
+  ~cuda_event() { reset(); }
+  cudaEvent_t get() const noexcept { return event_; }
+
+ private:
+  void reset() noexcept {
+    if (!event_) return;
+    if (const cudaError_t rc = cudaEventDestroy(std::exchange(event_, nullptr)); rc != cudaSuccess)
+      warn_cuda("cudaEventDestroy", rc);
+  }
+  cudaEvent_t event_ = nullptr;
+};
+
+// Page-locked host memory (cudaMallocHost): copies from and to it are DMA,
+// truly asynchronous with respect to the host.
+class pinned_buffer {
+ public:
+  pinned_buffer() = default;
+  pinned_buffer(pinned_buffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  pinned_buffer& operator=(pinned_buffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      data_ = std::exchange(o.data_, nullptr);
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  ~pinned_buffer() { reset(); }
+
+  // Makes the buffer at least `bytes` long; its contents are lost when it
+  // grows. No copy from or to it may be in flight.
+  void reserve(std::size_t bytes, const char* what) {
+    if (bytes <= bytes_) return;
+    const std::size_t grown = std::max(bytes, bytes_ + bytes_ / 2);
+    reset();
+    TF_CUDA_CHECK(cudaMallocHost(&data_, grown), cuda_context("cudaMallocHost").of_block(what).range(0, grown));
+    bytes_ = grown;
+  }
+  std::byte* data() const noexcept { return static_cast<std::byte*>(data_); }
+  std::size_t size() const noexcept { return bytes_; }
+
+ private:
+  void reset() noexcept {
+    if (!data_) return;
+    if (const cudaError_t rc = cudaFreeHost(std::exchange(data_, nullptr)); rc != cudaSuccess)
+      warn_cuda("cudaFreeHost", rc);
+    bytes_ = 0;
+  }
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// Device memory from cudaMalloc, or stream-ordered from cudaMallocAsync
+// (freed with cudaFreeAsync on the same stream, after the work enqueued there).
+class device_memory {
+ public:
+  device_memory() = default;
+  static device_memory allocate(std::size_t bytes, const error_context& context) {
+    device_memory m;
+    if (bytes == 0) return m;
+    TF_CUDA_CHECK(cudaMalloc(&m.data_, bytes), error_context(context).range(0, bytes));
+    return m;
+  }
+  static device_memory allocate_async(std::size_t bytes, cudaStream_t stream, const error_context& context) {
+    device_memory m;
+    if (bytes == 0) return m;
+    TF_CUDA_CHECK(cudaMallocAsync(&m.data_, bytes, stream), error_context(context).range(0, bytes));
+    m.stream_ = stream;
+    m.async_ = true;
+    return m;
+  }
+  device_memory(device_memory&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), stream_(o.stream_), async_(o.async_) {}
+  device_memory& operator=(device_memory&& o) noexcept {
+    if (this != &o) {
+      reset();
+      data_ = std::exchange(o.data_, nullptr);
+      stream_ = o.stream_;
+      async_ = o.async_;
+    }
+    return *this;
+  }
+  ~device_memory() { reset(); }
+  void* get() const noexcept { return data_; }
+
+ private:
+  void reset() noexcept {
+    if (!data_) return;
+    void* p = std::exchange(data_, nullptr);
+    const cudaError_t rc = async_ ? cudaFreeAsync(p, stream_) : cudaFree(p);
+    if (rc != cudaSuccess) warn_cuda(async_ ? "cudaFreeAsync" : "cudaFree", rc);
+  }
+  void* data_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  bool async_ = false;
+};
+
+// ---- layouts ------------------------------------------------------------------------
+
+constexpr std::size_t align_up(std::size_t n, std::size_t to = 16) { return (n + to - 1) / to * to; }
+
+bool known(dtype t) { return t == dtype::fp32 || t == dtype::bf16 || t == dtype::fp16; }
+
+// The packed state of `slots` owned columns: three planes, then the columns.
+struct packed_layout {
+  std::size_t plane = 0;  // floats per plane: slots · rows
+  std::size_t columns_offset = 0;
+  std::size_t bytes = 0;
+  packed_layout(std::size_t slots, std::uint64_t rows)
+      : plane(slots * rows),
+        columns_offset(align_up(3 * plane * sizeof(float))),
+        bytes(slots == 0 ? 0 : columns_offset + slots * sizeof(std::uint32_t)) {}
+};
+
+}  // namespace
+
+// ---- the device -------------------------------------------------------------------
+
+struct cuda_zenflow_device::impl {
+  // Destroyed last (declared first): gives the thread its device back after
+  // every handle below was released on ours.
+  struct restore_device {
+    int previous = -1;
+    ~restore_device() {
+      if (previous < 0) return;
+      if (const cudaError_t rc = cudaSetDevice(previous); rc != cudaSuccess) warn_cuda("cudaSetDevice", rc);
+    }
+  } restore;
+
+  struct weight_state {
+    std::vector<std::uint32_t> columns;  // owned, ascending: the slots' columns
+    device_memory packed;                // packed_layout(columns.size(), rows)
+    device_memory staging;               // 2-D: elements in compute_type
+    device_memory staged_columns;        // 2-D: uint32[cols]
+    std::vector<zenflow::column_run> staged_runs;  // of the last stage_upload()
+    std::uint64_t staged_count = 0;                // columns in staged_columns
+    cuda_event applied;                            // 2-D: after apply_staged()'s copy
+  };
+
+  std::vector<zenflow::weight_shape> weights;
+  std::vector<cuda_zenflow_weight> tensors;
+  cuda_zenflow_options options;
+  cudaStream_t stream = nullptr;  // the trainer's
+  int sm_count = 1;
+  bool pools = false;             // cudaMallocAsync is available
+  std::int64_t simd_target = 0;   // for the host conversions
+  std::size_t compute_size = 4;   // bytes per compute_type element
+
+  // Destroyed after every buffer (declared first): the last stage_upload()
+  // waited for it, and the destructor waits again.
+  cuda_stream upload_stream;
+  pinned_buffer upload_pinned;      // stage_upload(): compute_type data, then the column list
+  std::size_t upload_columns_offset = 0;
+  pinned_buffer download_pinned;    // download_gradient(): grad_type
+  std::vector<float> download_fp32; // download_gradient() of bf16/fp16 gradients
+  pinned_buffer transfer;           // the trainer thread's other transfers, grown on demand
+  device_memory importance;         // float[max cols]
+  std::vector<weight_state> state;
+
+  bool live = false;  // the device was found: the handles below need it current to be released
+
+  impl() = default;
+  impl(const impl&) = delete;
+  impl& operator=(const impl&) = delete;
+  // Nothing may still read or write what the members free: waits for both
+  // streams first (the upload stream is idle unless a stage_upload() threw),
+  // with the device current on this thread. Never throws.
+  ~impl() {
+    if (!live) return;
+    int current = -1;
+    if (cudaGetDevice(&current) == cudaSuccess && current != options.device) {
+      if (const cudaError_t rc = cudaSetDevice(options.device); rc != cudaSuccess) warn_cuda("cudaSetDevice", rc);
+      restore.previous = current;
+    }
+    if (upload_stream.get() != nullptr)
+      if (const cudaError_t rc = cudaStreamSynchronize(upload_stream.get()); rc != cudaSuccess)
+        warn_cuda("cudaStreamSynchronize", rc);
+    if (const cudaError_t rc = cudaStreamSynchronize(stream); rc != cudaSuccess) warn_cuda("cudaStreamSynchronize", rc);
+  }
+
+  error_context context(const char* operation, std::size_t w) const {
+    return cuda_context(operation).of_block(weights[w].name);
+  }
+
+  packed_layout layout(std::size_t w) const { return packed_layout(state[w].columns.size(), weights[w].rows); }
+
+  detail::state_planes planes(std::size_t w) const {
+    const packed_layout l = layout(w);
+    auto* base = static_cast<float*>(state[w].packed.get());
+    if (base == nullptr) return {};
+    return {base, base + l.plane, base + 2 * l.plane};
+  }
+
+  void check_launch(cudaError_t rc, const char* kernel, std::size_t w) const {
+    TF_CUDA_CHECK(rc, context(kernel, w));
+  }
+
+  void synchronize(std::size_t w) const { TF_CUDA_CHECK(cudaStreamSynchronize(stream), context("cudaStreamSynchronize", w)); }
+};
+
+cuda_zenflow_device::cuda_zenflow_device(const std::vector<zenflow::weight_shape>& weights,
+                                         std::vector<cuda_zenflow_weight> tensors,
+                                         const cuda_zenflow_options& options)
+    : impl_(std::make_unique<impl>()) {
+  impl& d = *impl_;
+  // ---- the arguments, before any CUDA call --------------------------------------
+  if (weights.empty()) throw user_error("zenflow cuda device: no weights");
+  if (tensors.size() != weights.size())
+    throw user_error("zenflow cuda device: " + std::to_string(tensors.size()) + " tensors for " +
+                     std::to_string(weights.size()) + " weights");
+  if (!known(options.compute_type) || !known(options.grad_type))
+    throw user_error("zenflow cuda device: compute_type and grad_type must be fp32, bf16 or fp16");
+  if (options.adam.amsgrad == amsgrad::on)
+    throw user_error("zenflow cuda device: amsgrad is not supported on the device side");
+  (void)adam_optimizer(options.adam);  // validates the hyper-parameters (user_error)
+  for (std::size_t w = 0; w < weights.size(); ++w) {
+    const zenflow::weight_shape& s = weights[w];
+    const std::string name = "zenflow cuda device: weight \"" + s.name + "\"";
+    if (s.rows == 0 || s.cols == 0) throw user_error(name + " has an empty shape");
+    if (s.cols > UINT32_MAX) throw user_error(name + " has too many columns");
+    if (tensors[w].parameters == nullptr || tensors[w].gradient == nullptr)
+      throw user_error(name + ": a null parameter or gradient pointer");
+    if (reinterpret_cast<std::uintptr_t>(tensors[w].parameters) % size_of(options.compute_type) != 0 ||
+        reinterpret_cast<std::uintptr_t>(tensors[w].gradient) % size_of(options.grad_type) != 0)
+      throw user_error(name + ": a pointer not aligned to its element size");
+  }
+  d.weights = weights;
+  d.tensors = std::move(tensors);
+  d.options = options;
+  d.stream = reinterpret_cast<cudaStream_t>(options.stream);
+  d.compute_size = size_of(options.compute_type);
+  d.simd_target = detail::available_targets().front().first;
+
+  // ---- the device -----------------------------------------------------------------
+  int count = 0;
+  // No driver or no GPU: an environment failure, with CUDA's own words for it.
+  TF_CUDA_CHECK(cudaGetDeviceCount(&count), error_context{"zenflow cuda device needs a GPU: cudaGetDeviceCount"});
+  if (options.device < 0 || options.device >= count)
+    throw user_error("zenflow cuda device: device " + std::to_string(options.device) + " does not exist (" +
+                     std::to_string(count) + " visible)");
+  const device_scope scope(options.device);
+  d.live = true;
+  TF_CUDA_CHECK(cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, options.device),
+                cuda_context("cudaDeviceGetAttribute"));
+  int pools = 0;
+  TF_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, options.device),
+                cuda_context("cudaDeviceGetAttribute"));
+  d.pools = pools != 0;
+
+  // The tensors must be memory this device's kernels can address.
+  for (std::size_t w = 0; w < d.weights.size(); ++w) {
+    for (const void* p : {static_cast<const void*>(d.tensors[w].parameters), d.tensors[w].gradient}) {
+      cudaPointerAttributes attributes{};
+      TF_CUDA_CHECK(cudaPointerGetAttributes(&attributes, p), d.context("cudaPointerGetAttributes", w));
+      const bool device_memory_here =
+          attributes.type == cudaMemoryTypeManaged ||
+          (attributes.type == cudaMemoryTypeDevice && attributes.device == options.device);
+      if (!device_memory_here)
+        throw user_error("zenflow cuda device: weight \"" + d.weights[w].name +
+                         "\": a parameter or gradient pointer is not memory of CUDA device " +
+                         std::to_string(options.device));
+    }
+  }
+
+  d.upload_stream = cuda_stream::create();
+  std::uint64_t max_elements = 0, max_matrix_elements = 0, max_cols = 0;
+  d.state.resize(d.weights.size());
+  for (std::size_t w = 0; w < d.weights.size(); ++w) {
+    const zenflow::weight_shape& s = d.weights[w];
+    impl::weight_state& ws = d.state[w];
+    max_elements = std::max(max_elements, s.elements());
+    max_cols = std::max(max_cols, s.cols);
+    if (s.matrix()) {
+      max_matrix_elements = std::max(max_matrix_elements, s.elements());
+      ws.staging = device_memory::allocate(s.elements() * d.compute_size, d.context("cudaMalloc staging", w));
+      ws.staged_columns =
+          device_memory::allocate(s.cols * sizeof(std::uint32_t), d.context("cudaMalloc staged columns", w));
+      ws.applied = cuda_event::create();
+    } else {
+      // A 1-D weight is the device's from the start: one slot, column 0, its
+      // master set by initialize() and its moments zero.
+      ws.columns = {0};
+      const packed_layout l = d.layout(w);
+      ws.packed = device_memory::allocate(l.bytes, d.context("cudaMalloc packed state", w));
+      TF_CUDA_CHECK(cudaMemsetAsync(ws.packed.get(), 0, l.bytes, d.stream), d.context("cudaMemsetAsync", w));
+    }
+  }
+  d.importance = device_memory::allocate(max_cols * sizeof(float), cuda_context("cudaMalloc importance"));
+  d.download_pinned.reserve(max_elements * size_of(options.grad_type), "gradient download");
+  if (options.grad_type != dtype::fp32) d.download_fp32.resize(max_elements);
+  if (max_matrix_elements > 0) {
+    d.upload_columns_offset = align_up(max_matrix_elements * d.compute_size);
+    d.upload_pinned.reserve(d.upload_columns_offset + max_cols * sizeof(std::uint32_t), "master upload");
+  }
+  // The memsets are done (and every allocation visible) before any stream
+  // but the trainer's, or any host code, relies on them.
+  TF_CUDA_CHECK(cudaStreamSynchronize(d.stream), cuda_context("cudaStreamSynchronize"));
+}
+
+cuda_zenflow_device::~cuda_zenflow_device() = default;  // impl's destructor waits and frees
+
+
+void cuda_zenflow_device::initialize(std::size_t w, std::span<const float> master) {
+  impl& d = *impl_;
+  if (w >= d.weights.size()) throw user_error("zenflow cuda device: initialize: no weight " + std::to_string(w));
+  const zenflow::weight_shape& s = d.weights[w];
+  if (master.size() != s.elements())
+    throw user_error("zenflow cuda device: initialize: weight \"" + s.name + "\" has " +
+                     std::to_string(s.elements()) + " elements, got " + std::to_string(master.size()));
+  const device_scope scope(d.options.device);
+  const std::size_t n = master.size(), compute_bytes = n * d.compute_size;
+  const std::size_t master_at = align_up(compute_bytes);
+  d.transfer.reserve(master_at + (s.matrix() ? 0 : n * sizeof(float)), "initialize");
+  // Round to nearest even, as the kernels do on the device.
+  detail::convert_range(d.simd_target, master.data(), dtype::fp32, d.transfer.data(), d.options.compute_type, 1.0f,
+                        0, n);
+  TF_CUDA_CHECK(cudaMemcpyAsync(d.tensors[w].parameters, d.transfer.data(), compute_bytes, cudaMemcpyHostToDevice,
+                                d.stream),
+                d.context("cudaMemcpyAsync initialize", w));
+  if (!s.matrix()) {
+    // The device-owned master of a 1-D weight.
+    std::memcpy(d.transfer.data() + master_at, master.data(), n * sizeof(float));
+    TF_CUDA_CHECK(cudaMemcpyAsync(d.planes(w).master, d.transfer.data() + master_at, n * sizeof(float),
+                                  cudaMemcpyHostToDevice, d.stream),
+                  d.context("cudaMemcpyAsync initialize", w));
+  }
+  d.synchronize(w);  // the transfer buffer is free again
+}
+
+std::span<const std::uint32_t> cuda_zenflow_device::owned_columns(std::size_t w) const {
+  TF_ASSERT(w < impl_->weights.size());
+  return impl_->state[w].columns;
+}
+
+void cuda_zenflow_device::column_importance(std::size_t w, zenflow::importance_norm norm, std::span<float> out) {
+  impl& d = *impl_;
+  TF_ASSERT(w < d.weights.size() && out.size() == d.weights[w].cols);
+  const zenflow::weight_shape& s = d.weights[w];
+  const device_scope scope(d.options.device);
+  auto* scores = static_cast<float*>(d.importance.get());
+  d.check_launch(detail::launch_column_importance(d.tensors[w].gradient, d.options.grad_type, s.rows, s.cols,
+                                                  norm == zenflow::importance_norm::l2 ? detail::column_norm::l2
+                                                                                       : detail::column_norm::l1,
+                                                  scores, d.stream,
+                                                  d.sm_count),
+                 "column importance kernel", w);
+  const std::size_t bytes = out.size() * sizeof(float);
+  d.transfer.reserve(bytes, "column importance");
+  TF_CUDA_CHECK(cudaMemcpyAsync(d.transfer.data(), scores, bytes, cudaMemcpyDeviceToHost, d.stream),
+                d.context("cudaMemcpyAsync column importance", w));
+  d.synchronize(w);
+  std::memcpy(out.data(), d.transfer.data(), bytes);
+}
+
+void cuda_zenflow_device::update_owned(std::size_t w, std::int64_t step) {
+  impl& d = *impl_;
+  TF_ASSERT(w < d.weights.size() && step >= 1);
+  const impl::weight_state& ws = d.state[w];
+  if (ws.columns.empty()) return;
+  const device_scope scope(d.options.device);
+  const detail::state_planes planes = d.planes(w);
+  detail::adam_columns_args a;
+  a.master = planes.master;
+  a.exp_avg = planes.exp_avg;
+  a.exp_avg_sq = planes.exp_avg_sq;
+  a.columns = reinterpret_cast<const std::uint32_t*>(static_cast<const std::byte*>(ws.packed.get()) +
+                                                     d.layout(w).columns_offset);
+  a.count = ws.columns.size();
+  a.rows = d.weights[w].rows;
+  a.grad = d.tensors[w].gradient;
+  a.grad_type = d.options.grad_type;
+  a.param = d.tensors[w].parameters;
+  a.param_type = d.options.compute_type;
+  a.k = detail::make_adam_element_constants(d.options.adam, step);
+  d.check_launch(detail::launch_adam_columns(a, d.stream, d.sm_count), "adam kernel", w);
+}
+
+std::span<const float> cuda_zenflow_device::download_gradient(std::size_t w) {
+  impl& d = *impl_;
+  TF_ASSERT(w < d.weights.size());
+  const std::size_t n = d.weights[w].elements();
+  const device_scope scope(d.options.device);
+  TF_CUDA_CHECK(cudaMemcpyAsync(d.download_pinned.data(), d.tensors[w].gradient, n * size_of(d.options.grad_type),
+                                cudaMemcpyDeviceToHost, d.stream),
+                d.context("cudaMemcpyAsync gradient download", w));
+  d.synchronize(w);
+  if (d.options.grad_type == dtype::fp32) return {reinterpret_cast<const float*>(d.download_pinned.data()), n};
+  detail::convert_range(d.simd_target, d.download_pinned.data(), d.options.grad_type, d.download_fp32.data(),
+                        dtype::fp32, 1.0f, 0, n);
+  return {d.download_fp32.data(), n};
+}
+
+void cuda_zenflow_device::stage_upload(std::size_t w, std::span<const zenflow::column_run> runs,
+                                       std::span<const float> master) {
+  // On the engine's CPU-step thread: only the upload stream, upload_pinned
+  // and this weight's staging area, staged_columns and staged_runs, which
+  // the trainer's thread touches only in apply_staged(), after this returned.
+  impl& d = *impl_;
+  TF_ASSERT(w < d.weights.size() && d.weights[w].matrix());
+  const zenflow::weight_shape& s = d.weights[w];
+  const std::uint64_t rows = s.rows;
+  TF_ASSERT(master.size() == s.elements(), "stage_upload: master of the wrong size");
+  impl::weight_state& ws = d.state[w];
+  ws.staged_runs.assign(runs.begin(), runs.end());
+  ws.staged_count = 0;
+  if (runs.empty()) return;
+  const device_scope scope(d.options.device);
+  const cudaStream_t upload = d.upload_stream.get();
+  // The previous window's apply_staged() copy may still be reading staging
+  // and staged_columns on the trainer's stream: the upload waits for it
+  // (an event never recorded is complete, so the first upload does not wait).
+  TF_CUDA_CHECK(cudaStreamWaitEvent(upload, ws.applied.get(), 0), d.context("cudaStreamWaitEvent", w));
+  // Each run converted into the pinned buffer at its place in the whole
+  // weight, and the runs' columns listed after it.
+  auto* columns = reinterpret_cast<std::uint32_t*>(d.upload_pinned.data() + d.upload_columns_offset);
+  std::uint64_t count = 0;
+  for (const zenflow::column_run r : runs) {
+    TF_ASSERT(r.begin < r.end && r.end <= s.cols, "stage_upload: a run outside the weight");
+    TF_ASSERT(count == 0 || r.begin > columns[count - 1], "stage_upload: runs not ascending");
+    detail::convert_range(d.simd_target, master.data(), dtype::fp32, d.upload_pinned.data(), d.options.compute_type,
+                          1.0f, r.begin * rows, r.end * rows);
+    for (std::uint32_t c = r.begin; c < r.end; ++c) columns[count++] = c;
+  }
+  // One copy over the span the runs cover: the device-owned columns in
+  // between carry stale bytes that apply_staged() never copies.
+  const std::size_t first = runs.front().begin * rows * d.compute_size;
+  const std::size_t last = runs.back().end * rows * d.compute_size;
+  TF_CUDA_CHECK(cudaMemcpyAsync(static_cast<std::byte*>(ws.staging.get()) + first, d.upload_pinned.data() + first,
+                                last - first, cudaMemcpyHostToDevice, upload),
+                d.context("cudaMemcpyAsync master upload", w).range(first, last - first));
+  TF_CUDA_CHECK(cudaMemcpyAsync(ws.staged_columns.get(), columns, count * sizeof(std::uint32_t),
+                                cudaMemcpyHostToDevice, upload),
+                d.context("cudaMemcpyAsync master upload", w));
+  // Done before returning: the engine applies the runs only after this
+  // returned, and the pinned buffer serves the next weight.
+  TF_CUDA_CHECK(cudaStreamSynchronize(upload), d.context("cudaStreamSynchronize upload", w));
+  ws.staged_count = count;
+}
+
+void cuda_zenflow_device::apply_staged(std::size_t w, std::span<const zenflow::column_run> runs) {
+  impl& d = *impl_;
+  TF_ASSERT(w < d.weights.size() && d.weights[w].matrix());
+  if (runs.empty()) return;
+  const zenflow::weight_shape& s = d.weights[w];
+  impl::weight_state& ws = d.state[w];
+  const device_scope scope(d.options.device);
+  if (std::equal(runs.begin(), runs.end(), ws.staged_runs.begin(), ws.staged_runs.end())) {
+    // The runs just staged (the engine's case): one kernel over their columns.
+    d.check_launch(detail::launch_copy_columns(d.tensors[w].parameters, ws.staging.get(), d.compute_size,
+                                               static_cast<const std::uint32_t*>(ws.staged_columns.get()),
+                                               ws.staged_count, s.rows, d.stream, d.sm_count),
+                   "copy columns kernel", w);
+  } else {
+    // Some other staged runs: one device-to-device copy each.
+    for (const zenflow::column_run r : runs) {
+      TF_ASSERT(r.begin < r.end && r.end <= s.cols, "apply_staged: a run outside the weight");
+      const std::size_t offset = r.begin * s.rows * d.compute_size;
+      const std::size_t bytes = (r.end - r.begin) * s.rows * d.compute_size;
+      TF_CUDA_CHECK(cudaMemcpyAsync(static_cast<std::byte*>(d.tensors[w].parameters) + offset,
+                                    static_cast<const std::byte*>(ws.staging.get()) + offset, bytes,
+                                    cudaMemcpyDeviceToDevice, d.stream),
+                    d.context("cudaMemcpyAsync apply staged", w).range(offset, bytes));
+    }
+  }
+  TF_CUDA_CHECK(cudaEventRecord(ws.applied.get(), d.stream), d.context("cudaEventRecord", w));
+}
+
+void cuda_zenflow_device::hand_over(std::size_t w, std::span<const std::uint32_t> selected,
+                                    const zenflow::selection_change& change, const zenflow::host_buffers& host) {
+  impl& d = *impl_;
+  TF_ASSERT(w < d.weights.size());
+  const zenflow::weight_shape& s = d.weights[w];
+  const std::uint64_t rows = s.rows;
+  impl::weight_state& ws = d.state[w];
+  const std::vector<std::uint32_t>& old = ws.columns;
+  TF_ASSERT(host.param.size() == s.elements() && host.state0.size() == s.elements() &&
+                host.state1.size() == s.elements(),
+            "hand_over: the CUDA device keeps Adam's two moments; the host buffers must hold both");
+
+  // Where each new slot comes from: a kept column's old slot (>= 0), or the
+  // next entering column (-1 - its index among the entering ones).
+  const std::size_t slots = selected.size();
+  std::vector<std::int64_t> source(slots);
+  std::vector<std::uint32_t> entering;
+  for (std::size_t j = 0; j < slots; ++j) {
+    const std::uint32_t c = selected[j];
+    TF_ASSERT(c < s.cols && (j == 0 || selected[j - 1] < c), "hand_over: the selection is not ascending");
+    const auto it = std::lower_bound(old.begin(), old.end(), c);
+    if (it != old.end() && *it == c) {
+      source[j] = it - old.begin();
+    } else {
+      source[j] = -1 - static_cast<std::int64_t>(entering.size());
+      entering.push_back(c);
+    }
+  }
+  std::vector<std::int64_t> leaving(change.leaving.size());
+  for (std::size_t i = 0; i < change.leaving.size(); ++i) {
+    const std::uint32_t c = change.leaving[i];
+    const auto it = std::lower_bound(old.begin(), old.end(), c);
+    TF_ASSERT(it != old.end() && *it == c, "a leaving column was not the device's");
+    leaving[i] = it - old.begin();
+  }
+  TF_ASSERT(change.entering.size() + (old.size() - change.leaving.size()) == slots, "hand-over does not add up");
+  TF_ASSERT(entering.size() == change.entering.size(), "hand-over: the entering columns disagree with the selection");
+
+  // One transfer buffer, mirrored by one device scratch allocation:
+  //   [entering master | exp_avg | exp_avg_sq] [source] [leaving] [columns]  → up, one copy
+  //   [leaving master | exp_avg | exp_avg_sq]                                ← down, one copy
+  const std::size_t in_plane = entering.size() * rows, out_plane = leaving.size() * rows;
+  const std::size_t source_at = align_up(3 * in_plane * sizeof(float));
+  const std::size_t leaving_at = align_up(source_at + slots * sizeof(std::int64_t));
+  const std::size_t columns_at = align_up(leaving_at + leaving.size() * sizeof(std::int64_t));
+  const std::size_t up_bytes = columns_at + slots * sizeof(std::uint32_t);
+  const std::size_t out_at = align_up(up_bytes);
+  const std::size_t total = out_at + 3 * out_plane * sizeof(float);
+  const device_scope scope(d.options.device);
+  d.transfer.reserve(total, "hand-over");
+  std::byte* const pinned = d.transfer.data();
+  {
+    auto* in = reinterpret_cast<float*>(pinned);
+    for (std::size_t e = 0; e < entering.size(); ++e) {
+      const std::size_t from = entering[e] * rows;
+      std::memcpy(in + e * rows, host.param.data() + from, rows * sizeof(float));
+      std::memcpy(in + in_plane + e * rows, host.state0.data() + from, rows * sizeof(float));
+      std::memcpy(in + 2 * in_plane + e * rows, host.state1.data() + from, rows * sizeof(float));
+    }
+    // (An empty vector's data() may be null, which memcpy must not see.)
+    if (slots > 0) {
+      std::memcpy(pinned + source_at, source.data(), slots * sizeof(std::int64_t));
+      std::memcpy(pinned + columns_at, selected.data(), slots * sizeof(std::uint32_t));
+    }
+    if (!leaving.empty()) std::memcpy(pinned + leaving_at, leaving.data(), leaving.size() * sizeof(std::int64_t));
+  }
+  // Freed at the end of this function, after the synchronisation below.
+  device_memory scratch =
+      d.pools ? device_memory::allocate_async(total, d.stream, d.context("cudaMallocAsync hand-over", w))
+              : device_memory::allocate(total, d.context("cudaMalloc hand-over", w));
+  auto* const dev = static_cast<std::byte*>(scratch.get());
+  if (up_bytes > 0) {
+    TF_CUDA_CHECK(cudaMemcpyAsync(dev, pinned, up_bytes, cudaMemcpyHostToDevice, d.stream),
+                  d.context("cudaMemcpyAsync hand-over", w));
+  }
+  const detail::state_planes old_planes = d.planes(w);
+  const detail::const_state_planes kept{old_planes.master, old_planes.exp_avg, old_planes.exp_avg_sq};
+
+  // Leaving columns: gathered into the scratch, brought down in one copy.
+  if (!leaving.empty()) {
+    auto* out = reinterpret_cast<float*>(dev + out_at);
+    detail::repack_args gather;
+    gather.dst = {out, out + out_plane, out + 2 * out_plane};
+    gather.slots = leaving.size();
+    gather.rows = rows;
+    gather.source = reinterpret_cast<const std::int64_t*>(dev + leaving_at);
+    gather.kept = kept;
+    d.check_launch(detail::launch_repack(gather, d.stream, d.sm_count), "gather kernel", w);
+    TF_CUDA_CHECK(cudaMemcpyAsync(pinned + out_at, dev + out_at, 3 * out_plane * sizeof(float),
+                                  cudaMemcpyDeviceToHost, d.stream),
+                  d.context("cudaMemcpyAsync hand-over", w));
+  }
+
+  // The new packed state, in selection order: kept slots move on the
+  // device, entering ones come from the scratch and set their compute copy.
+  const packed_layout next_layout(slots, rows);
+  device_memory next =
+      d.pools ? device_memory::allocate_async(next_layout.bytes, d.stream, d.context("cudaMallocAsync packed state", w))
+              : device_memory::allocate(next_layout.bytes, d.context("cudaMalloc packed state", w));
+  if (slots > 0) {
+    auto* base = static_cast<float*>(next.get());
+    auto* next_columns = reinterpret_cast<std::uint32_t*>(static_cast<std::byte*>(next.get()) + next_layout.columns_offset);
+    TF_CUDA_CHECK(cudaMemcpyAsync(next_columns, dev + columns_at, slots * sizeof(std::uint32_t),
+                                  cudaMemcpyDeviceToDevice, d.stream),
+                  d.context("cudaMemcpyAsync hand-over", w));
+    const auto* in = reinterpret_cast<const float*>(dev);
+    detail::repack_args repack;
+    repack.dst = {base, base + next_layout.plane, base + 2 * next_layout.plane};
+    repack.slots = slots;
+    repack.rows = rows;
+    repack.source = reinterpret_cast<const std::int64_t*>(dev + source_at);
+    repack.kept = kept;
+    repack.entering = {in, in + in_plane, in + 2 * in_plane};
+    repack.param = d.tensors[w].parameters;
+    repack.param_type = d.options.compute_type;
+    repack.columns = next_columns;
+    d.check_launch(detail::launch_repack(repack, d.stream, d.sm_count), "repack kernel", w);
+  }
+  // The host buffers are read (done above) and written (below) before this
+  // returns, and the old state may be freed only once the kernels read it.
+  d.synchronize(w);
+  {
+    const auto* out = reinterpret_cast<const float*>(pinned + out_at);
+    for (std::size_t i = 0; i < change.leaving.size(); ++i) {
+      const std::size_t to = change.leaving[i] * rows;
+      std::memcpy(host.param.data() + to, out + i * rows, rows * sizeof(float));
+      std::memcpy(host.state0.data() + to, out + out_plane + i * rows, rows * sizeof(float));
+      std::memcpy(host.state1.data() + to, out + 2 * out_plane + i * rows, rows * sizeof(float));
+    }
+  }
+  ws.packed = std::move(next);  // frees the old state
+  ws.columns.assign(selected.begin(), selected.end());
+}
+
+}  // namespace tierflow::optim
