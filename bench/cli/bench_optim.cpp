@@ -61,24 +61,34 @@ double median_seconds(int repeats, F&& f) {
   return t[t.size() / 2];
 }
 
-// The optimizer's buffers as the host tier maps them (tiers::host_region:
-// transparent huge pages unless --pages 4k, not pinned here), first touched
-// by the executor's threads so each page lands where it is streamed.
-// Measured at one thread on a 4 KiB-paged VM: huge pages move Adam's bytes
-// ~15% faster (fewer TLB misses over seven streams) — so the bench reports
-// which backing it got, and the peers script runs both.
+// The optimizer's buffers: each its own tiers::host_region (transparent huge
+// pages unless --pages 4k, not pinned here), first touched by the
+// executor's threads so each page lands where it is streamed.
+//
+// Placement matters as much as page size. Regions mapped one after another
+// sit exactly their size apart, so with power-of-two sizes every stream's
+// element i has the same address bits below 2^28: measured at one thread
+// here, Adam then ran at 16 GiB/s instead of 43. Each buffer therefore
+// starts at a 2 MiB boundary (so huge pages cover it whole) plus its own
+// colour, k × (4 KiB + 64 B): different pages and different cache lines
+// within them. (Huge pages themselves added ~15%, fewer TLB misses over seven
+// streams; the bench reports which backing it got.)
 template <class T>
 struct buffer {
+  static constexpr std::size_t huge = std::size_t{2} << 20;
   tiers::host_region region;
   T* data_ptr = nullptr;
   std::size_t size = 0;
-  buffer(optim::executor& ex, std::size_t n, dtype type, tiers::huge_pages pages) : size(n) {
+  buffer(optim::executor& ex, std::size_t n, dtype type, tiers::huge_pages pages, std::size_t colour)
+      : size(n) {
     if (n == 0) return;
-    region = tiers::host_region::map({.bytes = n * sizeof(T),
+    const std::size_t offset = (colour * (4096 + 64)) % huge;
+    region = tiers::host_region::map({.bytes = n * sizeof(T) + 2 * huge,
                                       .pages = pages,
                                       .pre_touch = false,
                                       .pin = tiers::pinning::none});
-    data_ptr = reinterpret_cast<T*>(region.data());
+    const auto base = reinterpret_cast<std::uintptr_t>(region.data());
+    data_ptr = reinterpret_cast<T*>((base + huge - 1) / huge * huge + offset);
     optim::first_touch(ex, {data_ptr, n * sizeof(T) / size_of(type), type});
   }
   T* get() { return data_ptr; }
@@ -107,14 +117,15 @@ json bench_adam(const optim_options& opt, optim::executor& ex) {
   const tiers::huge_pages pages = opt.pages == "4k" ? tiers::huge_pages::off : tiers::huge_pages::transparent;
 
   // fp32 master parameters always; a bf16/fp16 model also gets the copy written back.
-  buffer<float> p(ex, n, dtype::fp32, pages);
-  buffer<float> g32(ex, grad_t == dtype::fp32 ? n : 0, dtype::fp32, pages);
-  buffer<std::uint16_t> g16(ex, grad_t != dtype::fp32 ? n : 0, grad_t, pages);
-  buffer<float> m32(ex, state_t == dtype::fp32 ? n : 0, dtype::fp32, pages),
-      v32(ex, state_t == dtype::fp32 ? n : 0, dtype::fp32, pages);
-  buffer<std::uint16_t> m16(ex, state_t != dtype::fp32 ? n : 0, state_t, pages),
-      v16(ex, state_t != dtype::fp32 ? n : 0, state_t, pages);
-  buffer<std::uint16_t> copy(ex, param_t != dtype::fp32 ? n : 0, param_t, pages);
+  std::size_t colour = 0;
+  buffer<float> p(ex, n, dtype::fp32, pages, colour++);
+  buffer<float> g32(ex, grad_t == dtype::fp32 ? n : 0, dtype::fp32, pages, colour++);
+  buffer<std::uint16_t> g16(ex, grad_t != dtype::fp32 ? n : 0, grad_t, pages, colour++);
+  buffer<float> m32(ex, state_t == dtype::fp32 ? n : 0, dtype::fp32, pages, colour++),
+      v32(ex, state_t == dtype::fp32 ? n : 0, dtype::fp32, pages, colour++);
+  buffer<std::uint16_t> m16(ex, state_t != dtype::fp32 ? n : 0, state_t, pages, colour++),
+      v16(ex, state_t != dtype::fp32 ? n : 0, state_t, pages, colour++);
+  buffer<std::uint16_t> copy(ex, param_t != dtype::fp32 ? n : 0, param_t, pages, colour++);
   std::fill_n(p.get(), n, 0.5f);
   optim::const_tensor_ref grad;
   if (grad_t == dtype::fp32) {
@@ -158,8 +169,8 @@ json bench_adam(const optim_options& opt, optim::executor& ex) {
     // The bound: Adam's access pattern over fp32 p, g, m, v of the same length.
     // Its passes alternate with the steps, so that both see the same machine
     // (on a shared host the load changes between seconds).
-    buffer<float> bp(ex, n, dtype::fp32, pages), bg(ex, n, dtype::fp32, pages),
-        bm(ex, n, dtype::fp32, pages), bv(ex, n, dtype::fp32, pages);
+    buffer<float> bp(ex, n, dtype::fp32, pages, colour++), bg(ex, n, dtype::fp32, pages, colour++),
+        bm(ex, n, dtype::fp32, pages, colour++), bv(ex, n, dtype::fp32, pages, colour++);
     std::fill_n(bg.get(), n, 1e-3f);
     auto pass = [&] { optim::adam_shaped_stream(ex, bp.span(), bg.span(), bm.span(), bv.span()); };
     pass();
