@@ -65,8 +65,8 @@ offload_plan make_plan(const offload_options& o) {
   plan.options = o;
   if (o.device != "sim") {
     throw user_error("--device: '" + o.device +
-                     "' is not available: this tierflow runs bench offload on the simulated device (sim) "
-                     "only; the CUDA device side of the offload engine is not built yet");
+                     "' is not available: bench offload runs on the simulated device (sim) only; a real GPU's "
+                     "compute and copy engines are not driven by it yet");
   }
   if (o.steps == 0) throw user_error("--steps: must be at least 1");
   if (o.batch_tokens == 0) throw user_error("--batch-tokens: must be at least 1");
