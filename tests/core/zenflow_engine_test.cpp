@@ -11,7 +11,7 @@
 #include "tierflow/core/affinity.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/zenflow/standin.hpp"
-#include "zenflow_step_config.hpp"
+#include "zenflow_test_support.hpp"
 
 namespace tierflow::zenflow {
 namespace {
@@ -67,14 +67,6 @@ void fill_gradient(std::span<float> g, std::size_t w, std::uint64_t step) {
     // A few columns stand out, and which ones changes over time.
     g[i] = normal(rng) * (((i / 5 + step / 3) % 7 == 0) ? 10.0f : 1.0f);
   }
-}
-
-std::vector<float> initial(std::size_t w, std::size_t n) {
-  std::vector<float> v(n);
-  std::mt19937 rng(static_cast<unsigned>(w + 77));
-  std::uniform_real_distribution<float> u(-1, 1);
-  for (auto& x : v) x = u(rng);
-  return v;
 }
 
 // The plain optimizer over whole weights, step after step.

@@ -15,7 +15,7 @@
 
 #include <gtest/gtest.h>
 
-#include "../core/zenflow_step_config.hpp"
+#include "../core/zenflow_test_support.hpp"
 #include "cuda/adam_element.hpp"
 #include "reference.hpp"
 #include "tierflow/core/error.hpp"
@@ -197,14 +197,6 @@ std::vector<weight_shape> model() {
   return {{"w0", 64, 48}, {"b0", 33, 1}, {"w1", 17, 130}, {"w2", 128, 9}, {"ln", 5, 1}};
 }
 
-std::vector<float> initial(std::size_t w, std::size_t n) {
-  std::vector<float> v(n);
-  std::mt19937 rng(static_cast<unsigned>(w + 77));
-  std::uniform_real_distribution<float> u(-1, 1);
-  for (auto& x : v) x = u(rng);
-  return v;
-}
-
 // The gradient of step `step` for weight `w`. Exactly columns_to_keep(cols,
 // topk) columns are 30× louder than the rest, a different set each step, so
 // the selection is the same whatever the rounding of the column sums (the
@@ -287,7 +279,7 @@ void run_against_standin(const gpu_case& gc) {
   zenflow::engine eng(gc.config, weights, device, host, rule);
 
   for (std::size_t w = 0; w < weights.size(); ++w) {
-    const auto init = initial(w, weights[w].elements());
+    const auto init = zenflow::initial(w, weights[w].elements());
     ref_device.initialize(w, init);
     std::copy(init.begin(), init.end(), ref_host.buffers(w).param.begin());
     device.initialize(w, init);

@@ -40,7 +40,7 @@
 #include "tierflow/core/zenflow/standin.hpp"
 #include "tierflow/optim/adam.hpp"
 #include "tierflow/optim/executor.hpp"
-#include "../core/zenflow_step_config.hpp"
+#include "../core/zenflow_test_support.hpp"
 
 namespace tierflow::zenflow {
 namespace {

@@ -13,78 +13,13 @@
 #include <cuda_runtime.h>
 
 #include "tierflow/core/cuda_error.hpp"
+#include "tierflow/core/cuda_handles.hpp"
 #endif
 
 namespace tierflow::tiers::detail {
 
 #if TIERFLOW_WITH_CUDA
 namespace {
-
-// ---- move-only handles --------------------------------------------------------
-
-void warn_cuda(const char* what, cudaError_t rc) noexcept {
-  (void)cudaGetLastError();
-  std::fprintf(stderr, "tierflow: warning: %s: %s\n", what, cudaGetErrorString(rc));
-}
-
-class cuda_stream {
- public:
-  explicit cuda_stream(int device) : device_(device) {
-    TF_CUDA_CHECK(cudaSetDevice(device), error_context{"cudaSetDevice"}.in_tier("device"));
-    // Non-blocking: no implicit synchronisation with the legacy default
-    // stream, so compute on stream 0 never serialises against our copies.
-    TF_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
-                  error_context{"cudaStreamCreateWithFlags"}.in_tier("device"));
-  }
-  cuda_stream(cuda_stream&& o) noexcept : device_(o.device_), stream_(std::exchange(o.stream_, nullptr)) {}
-  cuda_stream& operator=(cuda_stream&& o) noexcept {
-    if (this != &o) {
-      reset();
-      device_ = o.device_;
-      stream_ = std::exchange(o.stream_, nullptr);
-    }
-    return *this;
-  }
-  ~cuda_stream() { reset(); }
-  cudaStream_t get() const noexcept { return stream_; }
-
- private:
-  void reset() noexcept {
-    if (!stream_) return;
-    cudaSetDevice(device_);
-    if (const cudaError_t rc = cudaStreamDestroy(std::exchange(stream_, nullptr)); rc != cudaSuccess)
-      warn_cuda("cudaStreamDestroy", rc);
-  }
-  int device_ = 0;
-  cudaStream_t stream_ = nullptr;
-};
-
-class cuda_event {
- public:
-  cuda_event() {
-    // Timing off: the cheapest event, used only to wait for completion.
-    TF_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming),
-                  error_context{"cudaEventCreateWithFlags"}.in_tier("device"));
-  }
-  cuda_event(cuda_event&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}
-  cuda_event& operator=(cuda_event&& o) noexcept {
-    if (this != &o) {
-      reset();
-      event_ = std::exchange(o.event_, nullptr);
-    }
-    return *this;
-  }
-  ~cuda_event() { reset(); }
-  cudaEvent_t get() const noexcept { return event_; }
-
- private:
-  void reset() noexcept {
-    if (!event_) return;
-    if (const cudaError_t rc = cudaEventDestroy(std::exchange(event_, nullptr)); rc != cudaSuccess)
-      warn_cuda("cudaEventDestroy", rc);
-  }
-  cudaEvent_t event_ = nullptr;
-};
 
 class cuda_mem_pool {
  public:
@@ -199,7 +134,7 @@ class cuda_copy_mover final : public mover {
       return error_context{"cudaMemcpyAsync"}.range(0, t.bytes).in_tier("device").of_block(t.block_name);
     };
     TF_CUDA_CHECK(cudaSetDevice(device_), context());
-    cuda_event done;
+    const cuda_event done = cuda_event::create();
     // From registered (pinned) host memory this is a DMA on the copy engine,
     // asynchronous to the host; no kernel is launched.
     TF_CUDA_CHECK(cudaMemcpyAsync(t.destination.data, t.source.data, t.bytes,
@@ -221,7 +156,10 @@ class cuda_copy_mover final : public mover {
 // one event per bounce buffer.
 class cuda_copier {
  public:
-  cuda_copier(int device, unsigned slots) : device_(device), h2d_(device), d2h_(device), events_(slots) {}
+  cuda_copier(int device, unsigned slots) : device_(device), h2d_(device), d2h_(device) {
+    // After the streams: their construction made the device current.
+    for (unsigned i = 0; i < slots; ++i) events_.push_back(cuda_event::create());
+  }
 
   void to_device(std::byte* d, const std::byte* s, std::size_t n, unsigned slot) {
     copy(d, s, n, slot, cudaMemcpyHostToDevice, h2d_.get());

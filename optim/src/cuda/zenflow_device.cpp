@@ -33,15 +33,11 @@
 #include "kernels.hpp"
 #include "tierflow/core/assert.hpp"
 #include "tierflow/core/cuda_error.hpp"
+#include "tierflow/core/cuda_handles.hpp"
 #include "tierflow/core/error.hpp"
 
 namespace tierflow::optim {
 namespace {
-
-void warn_cuda(const char* what, cudaError_t rc) noexcept {
-  (void)cudaGetLastError();
-  std::fprintf(stderr, "tierflow: warning: zenflow cuda device: %s: %s\n", what, cudaGetErrorString(rc));
-}
 
 error_context cuda_context(const char* operation) {
   return error_context{std::string("zenflow ") + operation}.in_tier("device");
@@ -71,67 +67,6 @@ class device_scope {
  private:
   int previous_ = 0;
   bool changed_ = false;
-};
-
-class cuda_stream {
- public:
-  cuda_stream() = default;
-  static cuda_stream create() {
-    cuda_stream s;
-    // Non-blocking: no implicit synchronisation with the legacy default
-    // stream, so uploads never wait for (or hold up) compute on stream 0.
-    TF_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking),
-                  cuda_context("cudaStreamCreateWithFlags"));
-    return s;
-  }
-  cuda_stream(cuda_stream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)) {}
-  cuda_stream& operator=(cuda_stream&& o) noexcept {
-    if (this != &o) {
-      reset();
-      stream_ = std::exchange(o.stream_, nullptr);
-    }
-    return *this;
-  }
-  ~cuda_stream() { reset(); }
-  cudaStream_t get() const noexcept { return stream_; }
-
- private:
-  void reset() noexcept {
-    if (!stream_) return;
-    if (const cudaError_t rc = cudaStreamDestroy(std::exchange(stream_, nullptr)); rc != cudaSuccess)
-      warn_cuda("cudaStreamDestroy", rc);
-  }
-  cudaStream_t stream_ = nullptr;
-};
-
-class cuda_event {
- public:
-  cuda_event() = default;
-  static cuda_event create() {
-    cuda_event e;
-    // Timing off: the cheapest event, used only to order work.
-    TF_CUDA_CHECK(cudaEventCreateWithFlags(&e.event_, cudaEventDisableTiming),
-                  cuda_context("cudaEventCreateWithFlags"));
-    return e;
-  }
-  cuda_event(cuda_event&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}
-  cuda_event& operator=(cuda_event&& o) noexcept {
-    if (this != &o) {
-      reset();
-      event_ = std::exchange(o.event_, nullptr);
-    }
-    return *this;
-  }
-  ~cuda_event() { reset(); }
-  cudaEvent_t get() const noexcept { return event_; }
-
- private:
-  void reset() noexcept {
-    if (!event_) return;
-    if (const cudaError_t rc = cudaEventDestroy(std::exchange(event_, nullptr)); rc != cudaSuccess)
-      warn_cuda("cudaEventDestroy", rc);
-  }
-  cudaEvent_t event_ = nullptr;
 };
 
 // Page-locked host memory (cudaMallocHost): copies from and to it are DMA,
@@ -386,7 +321,7 @@ cuda_zenflow_device::cuda_zenflow_device(const std::vector<zenflow::weight_shape
     }
   }
 
-  d.upload_stream = cuda_stream::create();
+  d.upload_stream = cuda_stream(options.device);
   std::uint64_t max_elements = 0, max_matrix_elements = 0, max_cols = 0;
   d.state.resize(d.weights.size());
   for (std::size_t w = 0; w < d.weights.size(); ++w) {
