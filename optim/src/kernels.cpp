@@ -107,11 +107,32 @@ HWY_INLINE hn::Vec<D> load_f32(D d, const void* base, std::size_t i) {
   }
 }
 
-template <dtype T, class D>
+// AVX-512 BF16's VCVTNEPS2BF16: sixteen floats to bf16 in one instruction,
+// round to nearest even, NaN kept quiet — the integer rounding above, except
+// that subnormal inputs and results become signed zero. Only the AVX3 pass
+// has it, and only an executor whose target is "avx512-bf16" (a CPU with
+// the extension) asks for it. Inline assembly, because Highway 1.0 has no
+// target with the extension, and a function attribute would keep Highway's
+// ops from inlining into it.
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64 && (defined(__GNUC__) || defined(__clang__))
+inline constexpr bool have_native_bf16 = true;
+#else
+inline constexpr bool have_native_bf16 = false;
+#endif
+
+template <dtype T, bool Native = false, class D>
 HWY_INLINE void store_f32(D d, hn::Vec<D> v, void* base, std::size_t i) {
   if constexpr (T == dtype::fp32) {
     hn::StoreU(v, d, static_cast<float*>(base) + i);
   } else if constexpr (T == dtype::bf16) {
+#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64 && (defined(__GNUC__) || defined(__clang__))
+    if constexpr (Native && hn::MaxLanes(D()) == 16) {
+      __m256i packed;
+      asm("vcvtneps2bf16 %1, %0" : "=v"(packed) : "v"(v.raw));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<std::uint16_t*>(base) + i), packed);
+      return;
+    }
+#endif
     hn::StoreU(to_bf16_bits(d, v), u16_of<D>(), static_cast<std::uint16_t*>(base) + i);
   } else {
     hn::StoreU(to_f16_bits(d, v), u16_of<D>(), static_cast<std::uint16_t*>(base) + i);
@@ -159,7 +180,7 @@ struct adam_pointers {
   void* HWY_RESTRICT param_copy;
 };
 
-template <dtype G, dtype S, copy_kind C, bool Ams, bool Decoupled, class D>
+template <dtype G, dtype S, copy_kind C, bool Ams, bool Decoupled, bool Native, class D>
 HWY_INLINE void adam_lanes(D d, const adam_consts<D>& k, const adam_pointers& a, std::size_t i) {
   auto g = hn::Mul(load_f32<G>(d, a.grad, i), k.grad_scale);
   auto p = hn::LoadU(d, a.param + i);
@@ -169,12 +190,12 @@ HWY_INLINE void adam_lanes(D d, const adam_consts<D>& k, const adam_pointers& a,
   m = hn::MulAdd(k.one_minus_beta1, hn::Sub(g, m), m);
   v = hn::MulAdd(k.one_minus_beta2, hn::Mul(g, g), hn::Mul(k.beta2, v));
   // The moments leave first: their stores do not wait for the sqrt and divide.
-  store_f32<S>(d, m, a.exp_avg, i);
-  store_f32<S>(d, v, a.exp_avg_sq, i);
+  store_f32<S, Native>(d, m, a.exp_avg, i);
+  store_f32<S, Native>(d, v, a.exp_avg_sq, i);
   auto v_hat = v;
   if constexpr (Ams) {
     v_hat = hn::Max(load_f32<S>(d, a.max_exp_avg_sq, i), v);
-    store_f32<S>(d, v_hat, a.max_exp_avg_sq, i);
+    store_f32<S, Native>(d, v_hat, a.max_exp_avg_sq, i);
   }
   const auto denom = hn::MulAdd(hn::Sqrt(v_hat), k.inv_bc2_sqrt, k.eps);
   // AdamW's decay and the Adam update leave p in one subtraction, so p is
@@ -186,7 +207,7 @@ HWY_INLINE void adam_lanes(D d, const adam_consts<D>& k, const adam_pointers& a,
     p = hn::NegMulAdd(k.step_size, hn::Div(m, denom), p);
   }
   store_f32<dtype::fp32>(d, p, a.param, i);
-  if constexpr (C == copy_kind::bf16) store_f32<dtype::bf16>(d, p, a.param_copy, i);
+  if constexpr (C == copy_kind::bf16) store_f32<dtype::bf16, Native>(d, p, a.param_copy, i);
   if constexpr (C == copy_kind::fp16) store_f32<dtype::fp16>(d, p, a.param_copy, i);
 }
 
@@ -203,7 +224,7 @@ HWY_INLINE void prefetch_ahead(const void* base, std::size_t i) {
   hwy::Prefetch(static_cast<const unsigned char*>(base) + i * size_of(T) + prefetch_bytes);
 }
 
-template <dtype G, dtype S, copy_kind C, bool Ams, bool Decoupled>
+template <dtype G, dtype S, copy_kind C, bool Ams, bool Decoupled, bool Native>
 HWY_NOINLINE void adam_loop(const adam_kernel_args& args, std::size_t begin, std::size_t end) {
   using D = hn::ScalableTag<float>;
   const D d;
@@ -220,27 +241,35 @@ HWY_NOINLINE void adam_loop(const adam_kernel_args& args, std::size_t begin, std
     prefetch_ahead<dtype::fp32>(a.param, i);
     prefetch_ahead<S>(a.exp_avg, i);
     prefetch_ahead<S>(a.exp_avg_sq, i);
-    adam_lanes<G, S, C, Ams, Decoupled>(d, k, a, i);
+    adam_lanes<G, S, C, Ams, Decoupled, Native>(d, k, a, i);
   }
   using D1 = hn::CappedTag<float, 1>;
   const D1 d1;
   const adam_consts<D1> k1(d1, args);
-  for (; i < end; ++i) adam_lanes<G, S, C, Ams, Decoupled>(d1, k1, a, i);
+  for (; i < end; ++i) adam_lanes<G, S, C, Ams, Decoupled, Native>(d1, k1, a, i);
 }
 
 void AdamRange(const adam_kernel_args& a, std::size_t begin, std::size_t end) {
   with_dtype(a.grad_type, [&](auto g) {
     with_dtype(a.state_type, [&](auto s) {
       if constexpr (s.value != dtype::fp16) {  // fp16 moments are refused upstream
-        auto run = [&](auto copy) {
+        auto with_native = [&](auto copy, auto native) {
           const bool decoupled = a.l2 == 0.0f;  // AdamW, or Adam without weight decay
+          constexpr bool N = native.value;
           if (a.amsgrad) {
-            if (decoupled) adam_loop<g.value, s.value, copy.value, true, true>(a, begin, end);
-            else adam_loop<g.value, s.value, copy.value, true, false>(a, begin, end);
+            if (decoupled) adam_loop<g.value, s.value, copy.value, true, true, N>(a, begin, end);
+            else adam_loop<g.value, s.value, copy.value, true, false, N>(a, begin, end);
           } else {
-            if (decoupled) adam_loop<g.value, s.value, copy.value, false, true>(a, begin, end);
-            else adam_loop<g.value, s.value, copy.value, false, false>(a, begin, end);
+            if (decoupled) adam_loop<g.value, s.value, copy.value, false, true, N>(a, begin, end);
+            else adam_loop<g.value, s.value, copy.value, false, false, N>(a, begin, end);
           }
+        };
+        auto run = [&](auto copy) {
+          // Only loops that write bf16 have a native variant.
+          if constexpr (have_native_bf16 && (s.value == dtype::bf16 || copy.value == copy_kind::bf16)) {
+            if (a.native_bf16) return with_native(copy, std::true_type{});
+          }
+          with_native(copy, std::false_type{});
         };
         switch (a.copy) {
           case copy_kind::none: run(std::integral_constant<copy_kind, copy_kind::none>{}); break;
@@ -306,22 +335,27 @@ void StreamRange(float* p, const float* g, float* m, float* v, std::size_t begin
 
 // ---- conversions ------------------------------------------------------------------
 
-template <dtype S, dtype T>
+template <dtype S, dtype T, bool Native>
 HWY_NOINLINE void convert_loop(const void* src, void* dst, float scale, std::size_t begin,
                                std::size_t end) {
   const hn::ScalableTag<float> d;
   const std::size_t lanes = hn::Lanes(d);
   std::size_t i = begin;
   for (; i + lanes <= end; i += lanes)
-    store_f32<T>(d, hn::Mul(load_f32<S>(d, src, i), hn::Set(d, scale)), dst, i);
+    store_f32<T, Native>(d, hn::Mul(load_f32<S>(d, src, i), hn::Set(d, scale)), dst, i);
   const hn::CappedTag<float, 1> d1;
   for (; i < end; ++i) store_f32<T>(d1, hn::Mul(load_f32<S>(d1, src, i), hn::Set(d1, scale)), dst, i);
 }
 
-void ConvertRange(const void* src, dtype src_type, void* dst, dtype dst_type, float scale,
+void ConvertRange(const void* src, dtype src_type, void* dst, dtype dst_type, float scale, bool native_bf16,
                   std::size_t begin, std::size_t end) {
   with_dtype(src_type, [&](auto s) {
-    with_dtype(dst_type, [&](auto t) { convert_loop<s.value, t.value>(src, dst, scale, begin, end); });
+    with_dtype(dst_type, [&](auto t) {
+      if constexpr (have_native_bf16 && t.value == dtype::bf16) {
+        if (native_bf16) return convert_loop<s.value, t.value, true>(src, dst, scale, begin, end);
+      }
+      convert_loop<s.value, t.value, false>(src, dst, scale, begin, end);
+    });
   });
 }
 
@@ -343,6 +377,7 @@ namespace {
 // one slot per target bit, the last for EMU128/SCALAR). Indexing the table
 // ourselves keeps the choice per executor instead of process-wide.
 std::size_t table_index(std::int64_t target) {
+  target &= ~native_bf16_bit;  // the AVX3 kernels either way
   return hwy::Num0BitsBelowLS1Bit_Nonzero64(static_cast<std::uint64_t>(
       HWY_CHOSEN_TARGET_SHIFT(target) | HWY_CHOSEN_TARGET_MASK_SCALAR));
 }
@@ -374,12 +409,25 @@ const char* target_name(std::int64_t target) {
 std::vector<std::pair<std::int64_t, std::string>> available_targets() {
   std::vector<std::pair<std::int64_t, std::string>> out;
   // Lower bits are better targets: walk from the lowest set bit up.
-  for (std::int64_t t : hwy::SupportedAndGeneratedTargets()) out.emplace_back(t, target_name(t));
+  for (std::int64_t t : hwy::SupportedAndGeneratedTargets()) {
+#if HWY_ARCH_X86_64 && (defined(__GNUC__) || defined(__clang__))
+    // AVX-512 with the BF16 extension first: the AVX3 kernels with native
+    // bf16 stores (see store_f32).
+    if (t == HWY_AVX3 && __builtin_cpu_supports("avx512bf16")) out.emplace_back(t | native_bf16_bit, "avx512-bf16");
+#endif
+    out.emplace_back(t, target_name(t));
+  }
   return out;
 }
 
 void adam_range(std::int64_t target, const adam_kernel_args& args, std::size_t begin,
                 std::size_t end) {
+  if ((target & native_bf16_bit) != 0) {
+    adam_kernel_args native = args;
+    native.native_bf16 = true;
+    HWY_DISPATCH_TABLE(AdamRange)[table_index(target)](native, begin, end);
+    return;
+  }
   HWY_DISPATCH_TABLE(AdamRange)[table_index(target)](args, begin, end);
 }
 
@@ -396,7 +444,7 @@ void stream_range(std::int64_t target, float* p, const float* g, float* m, float
 void convert_range(std::int64_t target, const void* src, dtype src_type, void* dst,
                    dtype dst_type, float scale, std::size_t begin, std::size_t end) {
   HWY_DISPATCH_TABLE(ConvertRange)[table_index(target)](src, src_type, dst, dst_type, scale,
-                                                         begin, end);
+                                                         (target & native_bf16_bit) != 0, begin, end);
 }
 
 }  // namespace tierflow::optim::detail

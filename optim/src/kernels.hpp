@@ -16,7 +16,12 @@
 namespace tierflow::optim::detail {
 
 // The target bits (Highway's HWY_* values) compiled in and supported here,
-// best first, with tierflow's name for each.
+// best first, with tierflow's name for each. On a CPU with AVX-512 BF16,
+// "avx512-bf16" comes first: Highway's AVX3 bits with native_bf16_bit set,
+// the AVX3 kernels storing bf16 with VCVTNEPS2BF16 (which flushes subnormal
+// inputs and results to zero, where "avx512" rounds them as torch does).
+// (Bit 20: between Highway's x86 and Arm target bits, used by neither.)
+inline constexpr std::int64_t native_bf16_bit = std::int64_t{1} << 20;
 std::vector<std::pair<std::int64_t, std::string>> available_targets();
 
 enum class copy_kind : unsigned char { none, bf16, fp16 };
@@ -33,6 +38,7 @@ struct adam_kernel_args {
   dtype state_type = dtype::fp32;
   copy_kind copy = copy_kind::none;
   bool amsgrad = false;
+  bool native_bf16 = false;  // set by adam_range for the "avx512-bf16" target
   float grad_scale = 1.0f;
   float l2 = 0.0f;            // Adam's weight decay folded into the gradient
   float lr_wd = 0.0f;         // AdamW's lr * weight_decay (0 for Adam)

@@ -288,7 +288,14 @@ cuda_zenflow_device::cuda_zenflow_device(const std::vector<zenflow::weight_shape
   d.options = options;
   d.stream = reinterpret_cast<cudaStream_t>(options.stream);
   d.compute_size = size_of(options.compute_type);
-  d.simd_target = detail::available_targets().front().first;
+  // The best target that rounds subnormals as the GPU's __float2bfloat16_rn
+  // does ("avx512-bf16" flushes them), so host- and device-made copies agree.
+  for (const auto& [bits, name] : detail::available_targets()) {
+    if ((bits & detail::native_bf16_bit) == 0) {
+      d.simd_target = bits;
+      break;
+    }
+  }
 
   // ---- the device -----------------------------------------------------------------
   int count = 0;

@@ -22,8 +22,12 @@
 namespace tierflow::optim {
 
 // The SIMD targets compiled into this binary and usable on this CPU, best
-// first, named "avx512", "avx2", "sse4", "scalar" (x86-64) or "sve2", "sve",
-// "neon", "scalar" (ARM). "scalar" (portable 128-bit emulation) is always there.
+// first, named "avx512-bf16", "avx512", "avx2", "sse4", "scalar" (x86-64) or
+// "sve2", "sve", "neon", "scalar" (ARM). "scalar" (portable 128-bit
+// emulation) is always there. "avx512-bf16" (a CPU with AVX-512 BF16) is
+// "avx512" with bf16 written by VCVTNEPS2BF16: one instruction instead of
+// integer rounding, the same results except that subnormal values become
+// signed zero (choose "avx512" for torch's rounding of those too).
 std::vector<std::string> simd_targets();
 
 class executor {
