@@ -91,19 +91,7 @@ step_outcome adam_optimizer::step(executor& ex, const adam_sub_group& group,
                                                   : detail::copy_kind::fp16;
   a.amsgrad = o.amsgrad == optim::amsgrad::on;
   a.grad_scale = args.grad_scale;
-  a.l2 = o.decay == weight_decay_mode::l2 ? o.weight_decay : 0.0f;
-  a.lr_wd = o.decay == weight_decay_mode::decoupled ? o.lr * o.weight_decay : 0.0f;
-  a.beta1 = o.beta1;
-  a.one_minus_beta1 = 1.0f - o.beta1;
-  a.beta2 = o.beta2;
-  a.one_minus_beta2 = 1.0f - o.beta2;
-  // Bias corrections in double, as PyTorch computes them on the host.
-  const double t = static_cast<double>(args.step);
-  const double bc1 = 1.0 - std::pow(static_cast<double>(o.beta1), t);
-  const double bc2 = 1.0 - std::pow(static_cast<double>(o.beta2), t);
-  a.step_size = static_cast<float>(static_cast<double>(o.lr) / bc1);
-  a.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
-  a.eps = o.eps;
+  a.k = detail::make_adam_element_constants(o, args.step);
 
   detail::for_each_tile(ex, n, [&](std::size_t begin, std::size_t end) {
     detail::adam_range(ex.target(), a, begin, end);

@@ -161,14 +161,14 @@ struct adam_consts {
   hn::Vec<D> grad_scale, l2, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, lr_wd;
   adam_consts(D d, const adam_kernel_args& a)
       : grad_scale(hn::Set(d, a.grad_scale)),
-        l2(hn::Set(d, a.l2)),
-        one_minus_beta1(hn::Set(d, a.one_minus_beta1)),
-        beta2(hn::Set(d, a.beta2)),
-        one_minus_beta2(hn::Set(d, a.one_minus_beta2)),
-        inv_bc2_sqrt(hn::Set(d, a.inv_bc2_sqrt)),
-        eps(hn::Set(d, a.eps)),
-        step_size(hn::Set(d, a.step_size)),
-        lr_wd(hn::Set(d, a.lr_wd)) {}
+        l2(hn::Set(d, a.k.l2)),
+        one_minus_beta1(hn::Set(d, a.k.one_minus_beta1)),
+        beta2(hn::Set(d, a.k.beta2)),
+        one_minus_beta2(hn::Set(d, a.k.one_minus_beta2)),
+        inv_bc2_sqrt(hn::Set(d, a.k.inv_bc2_sqrt)),
+        eps(hn::Set(d, a.k.eps)),
+        step_size(hn::Set(d, a.k.step_size)),
+        lr_wd(hn::Set(d, a.k.lr_wd)) {}
 };
 
 struct adam_pointers {
@@ -254,7 +254,7 @@ void AdamRange(const adam_kernel_args& a, std::size_t begin, std::size_t end) {
     with_dtype(a.state_type, [&](auto s) {
       if constexpr (s.value != dtype::fp16) {  // fp16 moments are refused upstream
         auto with_native = [&](auto copy, auto native) {
-          const bool decoupled = a.l2 == 0.0f;  // AdamW, or Adam without weight decay
+          const bool decoupled = a.k.l2 == 0.0f;  // AdamW, or Adam without weight decay
           constexpr bool N = native.value;
           if (a.amsgrad) {
             if (decoupled) adam_loop<g.value, s.value, copy.value, true, true, N>(a, begin, end);

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "adam_element.hpp"
 #include "tierflow/core/dtype.hpp"
 
 namespace tierflow::optim::detail {
@@ -26,7 +27,8 @@ std::vector<std::pair<std::int64_t, std::string>> available_targets();
 
 enum class copy_kind : unsigned char { none, bf16, fp16 };
 
-// Every per-step constant of Adam, precomputed once per step (see adam.hpp).
+// One Adam step over one sub-group: its buffers and dtypes, and the step's
+// constants (adam_element.hpp, shared with the CUDA device side).
 struct adam_kernel_args {
   float* param = nullptr;
   const void* grad = nullptr;
@@ -40,15 +42,7 @@ struct adam_kernel_args {
   bool amsgrad = false;
   bool native_bf16 = false;  // set by adam_range for the "avx512-bf16" target
   float grad_scale = 1.0f;
-  float l2 = 0.0f;            // Adam's weight decay folded into the gradient
-  float lr_wd = 0.0f;         // AdamW's lr * weight_decay (0 for Adam)
-  float beta1 = 0.9f;
-  float one_minus_beta1 = 0.1f;
-  float beta2 = 0.999f;
-  float one_minus_beta2 = 0.001f;
-  float step_size = 1e-3f;    // lr / (1 - beta1^t)
-  float inv_bc2_sqrt = 1.0f;  // 1 / sqrt(1 - beta2^t)
-  float eps = 1e-8f;
+  adam_element_constants k;
 };
 
 void adam_range(std::int64_t target, const adam_kernel_args& args, std::size_t begin,

@@ -16,7 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "../core/zenflow_test_support.hpp"
-#include "cuda/adam_element.hpp"
+#include "adam_element.hpp"
 #include "reference.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/zenflow/engine.hpp"

@@ -10,7 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/adam_element.hpp"
+#include "adam_element.hpp"
 #include "tierflow/core/dtype.hpp"
 
 namespace tierflow::optim::detail {

@@ -1,7 +1,8 @@
+// Adam's per-step constants, computed in one place for every kernel, and
 // Adam/AdamW on one element, the same arithmetic on the host and on a CUDA
-// device: the device side of ZenFlow (zenflow_kernels.cu) runs it per
-// element, and a test runs it on the CPU against adam_optimizer and inside
-// the stand-in device's update rule.
+// device: the CPU kernels (kernels.cpp) take their constants from here, the
+// device side of ZenFlow (cuda/zenflow_kernels.cu) runs adam_element per
+// element, and a test runs it on the CPU against adam_optimizer.
 //
 // It is the arithmetic of adam_lanes in kernels.cpp with every MulAdd fused:
 //
