@@ -94,6 +94,15 @@ HWY_INLINE hn::Vec<D> from_f16_bits(D d, hn::Vec<u16_of<D>> raw) {
   return hn::BitCast(d, hn::Or(o, hn::ShiftLeft<16>(hn::And(h, hn::Set(du32, 0x8000u)))));
 }
 
+// AVX2 and AVX-512 convert fp16 in hardware (F16C), through Highway's own
+// ops; the other targets keep the integer conversions above (Highway 1.0's
+// emulated ones round and widen wrongly at the edges).
+#if (HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3) && !defined(HWY_DISABLE_F16C)
+inline constexpr bool have_f16c = true;
+#else
+inline constexpr bool have_f16c = false;
+#endif
+
 template <dtype T, class D>
 HWY_INLINE hn::Vec<D> load_f32(D d, const void* base, std::size_t i) {
   if constexpr (T == dtype::fp32) {
@@ -103,6 +112,11 @@ HWY_INLINE hn::Vec<D> load_f32(D d, const void* base, std::size_t i) {
     const auto raw = hn::LoadU(u16_of<D>(), static_cast<const std::uint16_t*>(base) + i);
     return hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(du32, raw)));
   } else {
+    if constexpr (have_f16c) {
+      // F16C's VCVTPH2PS: exact for every pattern.
+      const hn::Rebind<hwy::float16_t, D> df16;
+      return hn::PromoteTo(d, hn::LoadU(df16, reinterpret_cast<const hwy::float16_t*>(base) + i));
+    }
     return from_f16_bits(d, hn::LoadU(u16_of<D>(), static_cast<const std::uint16_t*>(base) + i));
   }
 }
@@ -135,6 +149,13 @@ HWY_INLINE void store_f32(D d, hn::Vec<D> v, void* base, std::size_t i) {
 #endif
     hn::StoreU(to_bf16_bits(d, v), u16_of<D>(), static_cast<std::uint16_t*>(base) + i);
   } else {
+    if constexpr (have_f16c) {
+      // F16C's VCVTPS2PH with round-to-nearest-even: the integer rounding's
+      // results (subnormals, overflow to inf), in one instruction.
+      const hn::Rebind<hwy::float16_t, D> df16;
+      hn::StoreU(hn::DemoteTo(df16, v), df16, reinterpret_cast<hwy::float16_t*>(base) + i);
+      return;
+    }
     hn::StoreU(to_f16_bits(d, v), u16_of<D>(), static_cast<std::uint16_t*>(base) + i);
   }
 }
