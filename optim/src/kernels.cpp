@@ -128,18 +128,20 @@ HWY_INLINE hn::Vec<D> load_f32(D d, const void* base, std::size_t i) {
 // the extension) asks for it. Inline assembly, because Highway 1.0 has no
 // target with the extension, and a function attribute would keep Highway's
 // ops from inlining into it.
+#undef TIERFLOW_NATIVE_BF16  // redefined on each pass of foreach_target
 #if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64 && (defined(__GNUC__) || defined(__clang__))
-inline constexpr bool have_native_bf16 = true;
+#define TIERFLOW_NATIVE_BF16 1
 #else
-inline constexpr bool have_native_bf16 = false;
+#define TIERFLOW_NATIVE_BF16 0
 #endif
+inline constexpr bool have_native_bf16 = TIERFLOW_NATIVE_BF16;
 
 template <dtype T, bool Native = false, class D>
 HWY_INLINE void store_f32(D d, hn::Vec<D> v, void* base, std::size_t i) {
   if constexpr (T == dtype::fp32) {
     hn::StoreU(v, d, static_cast<float*>(base) + i);
   } else if constexpr (T == dtype::bf16) {
-#if HWY_TARGET == HWY_AVX3 && HWY_ARCH_X86_64 && (defined(__GNUC__) || defined(__clang__))
+#if TIERFLOW_NATIVE_BF16
     if constexpr (Native && hn::MaxLanes(D()) == 16) {
       __m256i packed;
       asm("vcvtneps2bf16 %1, %0" : "=v"(packed) : "v"(v.raw));

@@ -31,6 +31,16 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// What a save or a restore of manifest `m` reports, timed from `start`.
+checkpoint_stats stats_of(const checkpoint_manifest& m, std::chrono::steady_clock::time_point start) {
+  checkpoint_stats out;
+  out.generation = m.generation;
+  out.blocks = m.blocks.size();
+  out.bytes = m.data_bytes;
+  out.seconds = seconds_since(start);
+  return out;
+}
+
 std::string hex(std::uint64_t v) {
   char text[24];
   std::snprintf(text, sizeof text, "%016" PRIx64, v);
@@ -200,12 +210,7 @@ checkpoint_stats write_checkpoint(block_store& store, const std::string& directo
     remove_if_present(directory + "/" + previous_data);
     sync_directory(directory);
   }
-  checkpoint_stats out;
-  out.generation = m.generation;
-  out.blocks = m.blocks.size();
-  out.bytes = m.data_bytes;
-  out.seconds = seconds_since(start);
-  return out;
+  return stats_of(m, start);
 }
 
 checkpoint_manifest verify_checkpoint(const std::string& directory) {
@@ -242,12 +247,7 @@ checkpoint_stats restore_checkpoint(block_store& store, const std::string& direc
     }
     store.release(std::move(l), dirty::yes);
   }
-  checkpoint_stats out;
-  out.generation = m.generation;
-  out.blocks = m.blocks.size();
-  out.bytes = m.data_bytes;
-  out.seconds = seconds_since(start);
-  return out;
+  return stats_of(m, start);
 }
 
 }  // namespace tierflow::tiers
