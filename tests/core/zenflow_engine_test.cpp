@@ -131,6 +131,34 @@ struct zenflow_run {
       snapshot();
     }
   }
+  // A trainer that overlaps the host's part of each step with the next
+  // forward: the device's update first, then the next forward may start —
+  // unless the engine says it must wait — then the rest of the step. Checks
+  // that the rest changes nothing the next forward reads when it need not
+  // wait; returns on how many steps it had to.
+  std::uint64_t train_split(std::uint64_t steps, bool apply_early) {
+    std::uint64_t waited = 0;
+    for (std::uint64_t s = 0; s < steps; ++s) {
+      if (apply_early && eng.will_update()) eng.apply_previous_window();
+      for (std::size_t w = 0; w < weights.size(); ++w) fill_gradient(device.gradient(w), w, s);
+      eng.update_device();
+      const bool waits = eng.device_waits_for_step();
+      waited += waits;
+      snapshot();
+      const auto forward_reads = params.back();
+      params.pop_back();
+      reports.push_back(eng.step());
+      check_ownership();
+      snapshot();
+      if (!waits) expect_same(params.back(), forward_reads, s);
+    }
+    return waited;
+  }
+  static void expect_same(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b,
+                          std::uint64_t step) {
+    for (std::size_t w = 0; w < a.size(); ++w)
+      ASSERT_EQ(a[w], b[w]) << "step " << step << ": step() changed weight " << w << " after update_device()";
+  }
   void snapshot() {
     params.emplace_back();
     for (std::size_t w = 0; w < weights.size(); ++w) {
@@ -246,6 +274,42 @@ TEST(ZenflowEngine, OverlapLagsByExactlyOneWindowAndCatchesUpAtFinish) {
   async.snapshot();
   expect_identical(async.params.back(), sync.params.back(), steps);
   EXPECT_EQ(async.eng.stats().cpu_steps, steps / window);
+}
+
+// update_device() then step() computes what step() alone does, and the next
+// forward waits for step() only where step() changes the device's values.
+TEST(ZenflowEngine, SplitStepMatchesStepAndTheNextForwardWaitsOnlyWhenItMust) {
+  adam_rule rule;
+  const std::uint64_t steps = 14;
+  struct setup {
+    config c;
+    bool apply_early;
+    std::uint64_t fewest_waits, most_waits;  // of 14 steps
+  };
+  const setup setups[] = {
+      // Windows of 2, refreshes every 6 steps (after steps 5 and 11), overlap,
+      // the previous window applied early: only the refreshes wait.
+      {step_config(0.25, 2, 6, true), true, 2, 2},
+      // The same without applying early: the boundaries that apply a window
+      // (after steps 3, 5, …, 13; the first has none) wait instead.
+      {step_config(0.25, 2, 6, true), false, 6, 6},
+      // No overlap: every boundary applies its window at once.
+      {step_config(0.25, 2, 6, false), false, 7, 7},
+      // Two warm-up steps, then windows of 3 with overlap applied early.
+      {step_config(0.25, 3, 1000, true, 2), true, 2, 2},
+  };
+  for (const auto& su : setups) {
+    zenflow_run plain(su.c, rule), split(su.c, rule);
+    plain.train(steps, su.apply_early);
+    const std::uint64_t waited = split.train_split(steps, su.apply_early);
+    EXPECT_GE(waited, su.fewest_waits) << "setup " << (&su - setups);
+    EXPECT_LE(waited, su.most_waits) << "setup " << (&su - setups);
+    for (std::uint64_t s = 0; s < steps; ++s) expect_identical(split.params[s], plain.params[s], s);
+    for (std::uint64_t s = 0; s < steps; ++s) {
+      EXPECT_EQ(split.reports[s].refreshed, plain.reports[s].refreshed) << s;
+      EXPECT_EQ(split.reports[s].update_boundary, plain.reports[s].update_boundary) << s;
+    }
+  }
 }
 
 TEST(ZenflowEngine, AutomaticUpdateIntervalClosesWindowsFromGradientMass) {

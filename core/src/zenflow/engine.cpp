@@ -118,25 +118,47 @@ bool engine::device_owns(std::size_t w, std::uint32_t column) const {
   return splits_[w].on_device(column);
 }
 
-step_report engine::step() {
+void engine::update_device() {
+  if (device_updated_) return;
   const auto started = clock::now();
-  step_report report;
-  report.step = step_;
   const bool warm = step_ < schedule_.warm_up_steps;
-  report.warm_up = warm;
-  const bool auto_interval = !schedule_.update_interval;
-
+  first_selection_ = false;
   if (!warm && !selection_made_) {
     refresh_selection(windows_[current_]);  // the first selection: nothing accumulated yet
     selection_made_ = true;
-    report.refreshed = true;
+    first_selection_ = true;
   }
-
   // 2. The device-owned columns and the 1-D weights, on the device, every step.
   const auto device_step = static_cast<std::int64_t>(step_) + 1;
   for (std::size_t w = 0; w < weights_.size(); ++w) {
     if (!splits_[w].selected().empty()) device_.update_owned(w, device_step);
   }
+  device_updated_ = true;
+  device_update_time_ = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - started);
+}
+
+bool engine::device_waits_for_step() const {
+  const bool warm = step_ < schedule_.warm_up_steps;
+  if (warm) return true;  // every warm-up step ends a window, and applies it at once
+  if (is_select_boundary(schedule_, step_)) return true;
+  const bool may_end_window = !schedule_.update_interval || is_update_boundary(schedule_, step_);
+  if (!may_end_window) return false;
+  // Without overlap the window's CPU step is applied at once; with it, the
+  // boundary applies the previous window unless apply_previous_window() has.
+  return !config_.overlap_step || next_window_ != applied_window_;
+}
+
+step_report engine::step() {
+  const auto started = clock::now();
+  const bool updated_before = device_updated_;
+  update_device();
+  step_report report;
+  report.step = step_;
+  const bool warm = step_ < schedule_.warm_up_steps;
+  report.warm_up = warm;
+  report.refreshed = first_selection_;
+  const bool auto_interval = !schedule_.update_interval;
+
   // 3. The host-owned columns' gradient, added into the window.
   accumulate(windows_[current_], !warm && auto_interval);
   windows_[current_].steps += 1;
@@ -157,9 +179,11 @@ step_report engine::step() {
     if (auto_interval) trigger_.reset();
   }
   ++step_;
+  device_updated_ = false;
   stats_.steps += 1;
   stats_.wait_for_cpu += report.wait_for_cpu;
   report.host_work = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - started) - report.wait_for_cpu;
+  if (updated_before) report.host_work += device_update_time_;
   return report;
 }
 

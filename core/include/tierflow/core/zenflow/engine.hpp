@@ -188,6 +188,22 @@ class engine {
   // Runs ZenFlow's work for the step whose backward just produced the
   // gradients on the device. Rethrows an error of the previous CPU step.
   step_report step();
+  // Steps 1 and 2 of step() alone: the first selection when it is due, and
+  // the device's update of the columns it owns with this step's gradient.
+  // step() calls it itself when the trainer has not. A trainer that overlaps
+  // the host's part of a step with the next forward calls update_device()
+  // once the backward is done, launches the next forward (unless
+  // device_waits_for_step()), then calls step(); this step's gradient must
+  // stay readable on the device until step() returns (a second gradient
+  // buffer, as the next backward writes its own).
+  void update_device();
+  // Whether the next step() may change what the device computes with, so
+  // the next forward has to wait for it: a selection refresh (columns change
+  // sides), a warm-up step or a step without overlap_step that ends a window
+  // (its CPU step is applied at once), or a window boundary whose previous
+  // window apply_previous_window() has not applied yet. With
+  // update_interval "auto" any step may end a window, and answers as one.
+  bool device_waits_for_step() const;
   // Waits for the CPU step in flight (if any) and makes its result the
   // device's; returns how long it waited. step() does this itself at an
   // update boundary, after the step's gradient; a trainer that knows the
@@ -258,6 +274,11 @@ class engine {
   std::uint64_t next_window_ = 0;       // index of the next window to open
   std::uint64_t applied_window_ = 0;    // windows whose results the device computes with
   bool selection_made_ = false;
+  // update_device() ran for the step about to run: whether it made the first
+  // selection, and how long it took (both go into the step's report).
+  bool device_updated_ = false;
+  bool first_selection_ = false;
+  std::chrono::nanoseconds device_update_time_{0};
 
   // The CPU step in flight: at most one (staleness ≤ one window).
   std::mutex mutex_;
