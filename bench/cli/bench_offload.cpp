@@ -1,10 +1,12 @@
 // `tierflow bench offload`: a hardware-in-the-loop planner for offloaded
 // training. The CPU optimizer and the NVMe I/O run for real on real bytes;
 // with --device sim the device's compute and its PCIe link follow a stated
-// model, printed with the result. Strategies, side by side when several are
-// given (--strategy sync,pipelined,zenflow): sync (ZeRO-Offload: the device
-// waits for the whole CPU step), pipelined (ZeRO-Infinity's streamed
-// optimizer step), zenflow (selective device updates, asynchronous windows).
+// model, printed with the result; with --device cuda a GPU runs the model's
+// matmuls and the copies over its link for real. Strategies, side by side
+// when several are given (--strategy sync,pipelined,zenflow): sync
+// (ZeRO-Offload: the device waits for the whole CPU step), pipelined
+// (ZeRO-Infinity's streamed optimizer step), zenflow (selective device
+// updates, asynchronous windows).
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -46,6 +48,7 @@ struct offload_flags {
   unsigned depth = 3;
   std::string trace;
   bool as_json = false;
+  std::vector<std::string> model_flags_given;  // the simulated device's flags the user set
 };
 
 std::vector<std::string> split_list(const std::string& text) {
@@ -58,7 +61,9 @@ std::vector<std::string> split_list(const std::string& text) {
 bench::offload_options to_options(const offload_flags& f) {
   bench::offload_options o;
   o.model = f.model;
-  o.device = f.device;
+  bench::parse_device(f.device, o);
+  if (o.device == bench::device_kind::cuda && !f.model_flags_given.empty())
+    throw user_error(f.model_flags_given.front() + ": describes the simulated device; --device cuda measures its own");
   o.host_memory = parse_size(f.host_memory, "--host-memory");
   o.nvme_dir = f.nvme_dir;
   o.optimizer = bench::parse_optimizer(f.optimizer);
@@ -168,7 +173,7 @@ void run(const offload_flags& flags) {
     if (strategies.size() > 1 && !o.trace_path.empty()) o.trace_path += "." + s + ".json";
     plans.push_back(bench::make_plan(o));
   }
-  if (!flags.as_json) std::printf("%s\n", plans[0].options.device_model.describe().c_str());
+  if (!flags.as_json) std::printf("%s\n", plans[0].device_description.c_str());
 
   json runs = json::array();
   std::vector<bench::offload_result> results;
@@ -207,22 +212,26 @@ void run(const offload_flags& flags) {
 void add_bench_offload_command(CLI::App& app) {
   auto f = std::make_shared<offload_flags>();
   CLI::App* cmd = bench_command(app).add_subcommand(
-      "offload", "Offloaded training steps: real CPU optimizer and NVMe I/O, a modelled device");
+      "offload", "Offloaded training steps: real CPU optimizer and NVMe I/O, a modelled or a CUDA device");
   cmd->add_option("--model", f->model,
                   "gpt2-small|gpt2-medium|gpt2-large|gpt2-xl|llama-1b|llama-7b|llama-13b or LAYERSxHIDDENxVOCAB")
       ->capture_default_str();
-  cmd->add_option("--device", f->device, "sim (a modelled device)")->capture_default_str();
+  cmd->add_option("--device", f->device, "sim (a modelled device) or cuda[:N] (a GPU: cuBLAS matmuls, real copies)")
+      ->capture_default_str();
   cmd->add_option("--host-memory", f->host_memory, "Pinned host memory for the run (K/M/G)")->capture_default_str();
   cmd->add_option("--nvme-dir", f->nvme_dir, "Keep the optimizer state on NVMe files in this directory");
   cmd->add_option("--optimizer", f->optimizer, "adamw|muon")->capture_default_str();
   cmd->add_option("--strategy", f->strategy, "sync|pipelined|zenflow, or several comma-separated")
       ->capture_default_str();
   cmd->add_option("--steps", f->steps, "Training steps")->capture_default_str();
-  cmd->add_option("--device-tflops", f->tflops, "Sustained TFLOP/s of the modelled device")->capture_default_str();
-  cmd->add_option("--device-memory", f->device_memory, "Memory of the modelled device")->capture_default_str();
-  cmd->add_option("--pcie-gbps", f->pcie_gbps, "PCIe GB/s per direction of the modelled device")
-      ->capture_default_str();
-  cmd->add_option("--pcie-latency-us", f->pcie_latency_us, "Per-transfer PCIe latency")->capture_default_str();
+  const CLI::Option* model_flags[] = {
+      cmd->add_option("--device-tflops", f->tflops, "Sustained TFLOP/s of the modelled device")->capture_default_str(),
+      cmd->add_option("--device-memory", f->device_memory, "Memory of the modelled device")->capture_default_str(),
+      cmd->add_option("--pcie-gbps", f->pcie_gbps, "PCIe GB/s per direction of the modelled device")
+          ->capture_default_str(),
+      cmd->add_option("--pcie-latency-us", f->pcie_latency_us, "Per-transfer PCIe latency of the modelled device")
+          ->capture_default_str(),
+  };
   cmd->add_option("--batch-tokens", f->batch_tokens, "Tokens per step")->capture_default_str();
   cmd->add_option("--update-interval", f->update_interval, "ZenFlow: steps per CPU update window")
       ->capture_default_str();
@@ -236,7 +245,11 @@ void add_bench_offload_command(CLI::App& app) {
   cmd->add_option("--depth", f->depth, "Sub-groups resident while streaming")->capture_default_str();
   cmd->add_option("--trace", f->trace, "Write a Perfetto / Chrome trace of the run to this file");
   cmd->add_flag("--json", f->as_json, "One JSON object on stdout");
-  cmd->callback([f] { run(*f); });
+  cmd->callback([f, model_flags] {
+    for (const CLI::Option* opt : model_flags)
+      if (opt->count() > 0) f->model_flags_given.push_back(opt->get_name());
+    run(*f);
+  });
 }
 
 }  // namespace tierflow::cli

@@ -65,6 +65,17 @@ std::uint64_t model_shape::compute_parameters() const {
   return n;
 }
 
+std::vector<weight> model_shape::matmuls() const {
+  std::vector<weight> out;
+  for (const auto& layer : layers)
+    for (const auto& w : layer)
+      if (w.matrix()) out.push_back(w);
+  for (const auto& w : head)
+    if (w.matrix()) out.push_back(w);
+  if (tied_head) out.push_back(embedding[0]);
+  return out;
+}
+
 double model_shape::step_flops(std::uint64_t tokens) const {
   // A tied head still multiplies by the embedding matrix for every token.
   const std::uint64_t head_matmul = tied_head ? embedding[0].elements() : 0;

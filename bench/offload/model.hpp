@@ -34,6 +34,9 @@ struct model_shape {
   // Parameters of the transformer blocks and head, the ones that do matmuls
   // per token (embedding lookups are nearly free).
   std::uint64_t compute_parameters() const;
+  // The 2-D weights a token is multiplied by: every block's matrices, the
+  // head's, and the embedding matrix again when the head is tied to it.
+  std::vector<weight> matmuls() const;
   // Training FLOPs of one step over `tokens` tokens: 6 · compute_parameters ·
   // tokens (2 forward, 4 backward), the usual estimate without attention's
   // sequence-length term.

@@ -1,12 +1,17 @@
 #include "offload/plan.hpp"
 
+#include <sys/statvfs.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <thread>
 
 #include "tierflow/core/block.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/units.hpp"
+#include "tierflow/tiers/cuda_probe.hpp"
 
 namespace tierflow::bench {
 namespace {
@@ -60,14 +65,45 @@ optimizer_kind parse_optimizer(const std::string& text) {
   throw user_error("--optimizer: '" + text + "' is not adamw or muon");
 }
 
+void parse_device(const std::string& text, offload_options& into) {
+  if (text == "sim") {
+    into.device = device_kind::sim;
+    return;
+  }
+  if (text == "cuda") {
+    into.device = device_kind::cuda;
+    into.cuda_device = 0;
+    return;
+  }
+  if (text.starts_with("cuda:") && text.size() > 5 && text.size() < 9 &&
+      text.find_first_not_of("0123456789", 5) == std::string::npos) {
+    into.device = device_kind::cuda;
+    into.cuda_device = std::stoi(text.substr(5));
+    return;
+  }
+  throw user_error("--device: '" + text + "' is not sim, cuda or cuda:N");
+}
+
+namespace {
+
+// The CUDA device the run will use, or why it cannot: one line naming
+// --device, before any work starts.
+tiers::gpu find_cuda_device(const offload_options& o) {
+  const tiers::cuda_status cuda = tiers::probe_cuda();
+  if (!cuda.compiled)
+    throw user_error("--device cuda: this tierflow was built without CUDA (TIERFLOW_CUDA=OFF or no nvcc found)");
+  if (!cuda.available) throw user_error("--device cuda: no usable CUDA device (" + cuda.reason + ")");
+  for (const auto& g : cuda.devices)
+    if (g.index == o.cuda_device) return g;
+  throw user_error("--device cuda:" + std::to_string(o.cuda_device) + ": there are " +
+                   std::to_string(cuda.devices.size()) + " CUDA device(s), numbered from 0");
+}
+
+}  // namespace
+
 offload_plan make_plan(const offload_options& o) {
   offload_plan plan;
   plan.options = o;
-  if (o.device != "sim") {
-    throw user_error("--device: '" + o.device +
-                     "' is not available: bench offload runs on the simulated device (sim) only; a real GPU's "
-                     "compute and copy engines are not driven by it yet");
-  }
   if (o.steps == 0) throw user_error("--steps: must be at least 1");
   if (o.batch_tokens == 0) throw user_error("--batch-tokens: must be at least 1");
   if (!(o.device_model.tflops > 0) || !std::isfinite(o.device_model.tflops))
@@ -148,6 +184,15 @@ offload_plan make_plan(const offload_options& o) {
   }
   plan.memory.stream_tier = o.host_memory - fixed;
   plan.memory.state_on_nvme = !o.nvme_dir.empty();
+  if (plan.memory.state_on_nvme) {
+    struct statvfs fs{};
+    if (::statvfs(o.nvme_dir.c_str(), &fs) != 0)
+      throw user_error("--nvme-dir: cannot use '" + o.nvme_dir + "': " + std::strerror(errno));
+    const std::uint64_t free = static_cast<std::uint64_t>(fs.f_bavail) * fs.f_frsize;
+    if (free < total + nvme_slack)
+      throw user_error("--nvme-dir: '" + o.nvme_dir + "' has " + format_bytes(static_cast<double>(free)) +
+                       " free; the optimizer state needs " + format_bytes(static_cast<double>(total + nvme_slack)));
+  }
   if (!plan.memory.state_on_nvme && total > plan.memory.stream_tier) {
     throw user_error("--host-memory: the optimizer state (" + format_bytes(static_cast<double>(total)) +
                      ") does not fit in the " + format_bytes(static_cast<double>(plan.memory.stream_tier)) +
@@ -160,6 +205,54 @@ offload_plan make_plan(const offload_options& o) {
       o.threads ? o.threads
                 : std::max(1u, static_cast<unsigned>(std::lround(cores * (1.0 - o.reserved_cores))));
   plan.step_compute_seconds = o.device_model.compute_seconds(plan.model.step_flops(o.batch_tokens));
+
+  // The device: what it must hold, against what it has.
+  device_memory_plan& dm = plan.device_memory;
+  dm.parameters = plan.parameter_bytes;
+  dm.gradients = plan.gradient_bytes;
+  if (o.strategy == strategy::zenflow) {
+    std::uint64_t matrix_elements = 0, vector_elements = 0;
+    for (const auto& c : plan.chunks) (c.shape.matrix() ? matrix_elements : vector_elements) += c.shape.elements();
+    const auto selected = static_cast<std::uint64_t>(std::ceil(o.topk_ratio * static_cast<double>(matrix_elements)));
+    // fp32 master and two moments of what the device owns, and a bf16
+    // staging copy of every 2-D weight for the windows' uploads.
+    dm.zenflow_state = 12 * (selected + vector_elements) + 2 * matrix_elements;
+  }
+  std::uint64_t widest = 0, largest_matrix = 0;
+  for (const auto& w : plan.model.matmuls()) {
+    widest = std::max({widest, w.rows, w.cols});
+    largest_matrix = std::max(largest_matrix, w.elements());
+  }
+  dm.micro_batch_tokens = std::min<std::uint64_t>(o.batch_tokens, 8192);
+  dm.working_set = 2 * (2 * dm.micro_batch_tokens * widest) + 2 * (2 * largest_matrix);  // bf16
+  std::uint64_t device_bytes = o.device_model.memory_bytes;
+  const char* memory_flag = "--device-memory";
+  if (o.device == device_kind::cuda) {
+    if (o.strategy == strategy::zenflow && o.optimizer == optimizer_kind::muon)
+      throw user_error("--device cuda: ZenFlow with Muon runs on the simulated device only; the CUDA device side "
+                       "updates with Adam/AdamW (use --optimizer adamw, or --strategy sync or pipelined)");
+    const tiers::gpu g = find_cuda_device(o);
+    device_bytes = g.memory_bytes;
+    memory_flag = "--device cuda";
+    plan.device_description = "CUDA device " + std::to_string(g.index) + ": " + g.name + " (sm_" +
+                              std::to_string(g.compute_capability_major) +
+                              std::to_string(g.compute_capability_minor) + ", " +
+                              format_bytes(static_cast<double>(g.memory_bytes)) + ", " +
+                              std::to_string(g.copy_engines) + " copy engines)";
+  } else {
+    plan.device_description = o.device_model.describe();
+  }
+  if (dm.total() > device_bytes) {
+    throw user_error(std::string(memory_flag) + ": the device's " + format_bytes(static_cast<double>(device_bytes)) +
+                     " cannot hold the bf16 parameters and gradients (" +
+                     format_bytes(static_cast<double>(dm.parameters + dm.gradients)) + ")" +
+                     (dm.zenflow_state ? ", ZenFlow's device state (" +
+                                             format_bytes(static_cast<double>(dm.zenflow_state)) + ")"
+                                       : std::string()) +
+                     " and one layer's working set at " + std::to_string(dm.micro_batch_tokens) + " tokens (" +
+                     format_bytes(static_cast<double>(dm.working_set)) + "); it needs at least " +
+                     format_bytes(static_cast<double>(dm.total())));
+  }
   return plan;
 }
 

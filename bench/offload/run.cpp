@@ -6,14 +6,13 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
-#include <mutex>
 #include <numeric>
 #include <random>
 #include <sstream>
-#include <thread>
 
 #include <nlohmann/json.hpp>
 
+#include "offload/steps.hpp"
 #include "tierflow/core/affinity.hpp"
 #include "tierflow/core/assert.hpp"
 #include "tierflow/core/error.hpp"
@@ -28,11 +27,8 @@
 namespace tierflow::bench {
 namespace {
 
-using clock = std::chrono::steady_clock;
+using clock = offload_clock;
 
-clock::duration span_of(double seconds) {
-  return std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(seconds));
-}
 double seconds_between(clock::time_point a, clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
@@ -41,31 +37,6 @@ std::span<float> as_floats(std::span<std::byte> bytes, std::uint64_t elements) {
   TF_ASSERT(bytes.size() >= elements * sizeof(float));
   return {reinterpret_cast<float*>(bytes.data()), static_cast<std::size_t>(elements)};
 }
-
-// The simulated device's PCIe host → device link: transfers queue one after
-// another at the modelled rate. Thread-safe (the CPU step uploads from its thread).
-class upload_link {
- public:
-  explicit upload_link(const sim_device& model) : model_(model) {}
-  // Queues `bytes`; returns when they will have arrived.
-  clock::time_point send(std::uint64_t bytes) {
-    std::lock_guard lock(mutex_);
-    const auto start = std::max(clock::now(), free_at_);
-    free_at_ = start + span_of(model_.transfer_seconds(bytes));
-    bytes_ += bytes;
-    return free_at_;
-  }
-  std::uint64_t bytes() const {
-    std::lock_guard lock(mutex_);
-    return bytes_;
-  }
-
- private:
-  const sim_device& model_;
-  mutable std::mutex mutex_;
-  clock::time_point free_at_{};
-  std::uint64_t bytes_ = 0;
-};
 
 // The optimizer arithmetic of the run: optim's AdamW, or Muon for the hidden
 // matrices, on the optimizer threads.
@@ -104,84 +75,6 @@ class optim_rule final : public zenflow::update_rule {
   optim::muon_optimizer muon_;
 };
 
-// ZenFlow's device side, simulated: no device memory, only time and bytes on
-// the modelled link. The gradient it hands down is a fixed random buffer, so
-// the host's accumulation reads real bytes.
-class sim_device_side final : public zenflow::device_side {
- public:
-  sim_device_side(const offload_plan& plan, upload_link& link, std::span<const float> gradient)
-      : plan_(plan), link_(link), gradient_(gradient), uploaded_at_(plan.chunks.size()) {}
-
-  void column_importance(std::size_t w, zenflow::importance_norm, std::span<float> out) override {
-    // Heavy-tailed scores that drift between refreshes: a few columns matter.
-    ++calls_;
-    for (std::size_t c = 0; c < out.size(); ++c) {
-      std::uint64_t h = (w + 1) * 0x9E3779B97F4A7C15ull ^ (c * 0xBF58476D1CE4E5B9ull) ^ (calls_ / 8);
-      h ^= h >> 31;
-      h *= 0x94D049BB133111EBull;
-      h ^= h >> 29;
-      const double u = static_cast<double>(h >> 11) * 0x1p-53;
-      out[c] = static_cast<float>(std::pow(u, 8.0));
-    }
-  }
-  void update_owned(std::size_t w, std::int64_t) override {
-    // The selected columns' Adam on the device: memory-bound at HBM speed
-    // (read p, g, m, v; write p, m, v, and the bf16 copy), 3 TB/s.
-    (void)w;
-    device_bytes_ += selected_elements(w) * 30;
-  }
-  std::span<const float> download_gradient(std::size_t w) override {
-    return gradient_.first(static_cast<std::size_t>(plan_.chunks[w].shape.elements()));
-  }
-  void stage_upload(std::size_t w, std::span<const zenflow::column_run> runs, std::span<const float>) override {
-    std::uint64_t columns = 0;
-    for (const auto r : runs) columns += r.end - r.begin;
-    const auto arrived = link_.send(columns * plan_.chunks[w].shape.rows * 2);  // bf16
-    std::lock_guard lock(mutex_);
-    uploaded_at_[w] = arrived;
-  }
-  void apply_staged(std::size_t w, std::span<const zenflow::column_run>) override {
-    std::lock_guard lock(mutex_);
-    ready_at_ = std::max(ready_at_, uploaded_at_[w]);
-  }
-  void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const zenflow::selection_change& change,
-                 const zenflow::host_buffers&) override {
-    selected_[w] = selected.size();
-    // Master and two moments of each column crossing, fp32, over the link.
-    link_.send((change.entering.size() + change.leaving.size()) * plan_.chunks[w].shape.rows * 12);
-  }
-
-  // Device seconds of the selective updates since the last call.
-  double take_device_seconds() {
-    const double s = static_cast<double>(device_bytes_) / 3e12;
-    device_bytes_ = 0;
-    return s;
-  }
-  // When the uploads of the windows applied since the last call arrive.
-  clock::time_point take_ready_at() {
-    std::lock_guard lock(mutex_);
-    return std::exchange(ready_at_, clock::time_point{});
-  }
-
- private:
-  std::uint64_t selected_elements(std::size_t w) const {
-    const auto it = selected_.find(w);
-    const auto& shape = plan_.chunks[w].shape;
-    if (!shape.matrix()) return shape.elements();
-    return it == selected_.end() ? 0 : it->second * shape.rows;
-  }
-
-  const offload_plan& plan_;
-  upload_link& link_;
-  std::span<const float> gradient_;
-  std::uint64_t calls_ = 0;
-  std::uint64_t device_bytes_ = 0;
-  std::map<std::size_t, std::size_t> selected_;
-  std::mutex mutex_;
-  std::vector<clock::time_point> uploaded_at_;
-  clock::time_point ready_at_{};
-};
-
 // ZenFlow's host state in the store: each chunk's blocks streamed through
 // the host tier, from NVMe when the state lives there.
 class store_host_state final : public zenflow::host_state {
@@ -211,13 +104,6 @@ class store_host_state final : public zenflow::host_state {
   optimizer_stream_options options_;
 };
 
-struct trace_event {
-  std::string name;
-  std::string track;
-  clock::time_point start;
-  double seconds;
-};
-
 // The store's trace with the device timeline and the host's work added.
 void write_trace(const std::string& path, const block_store& store, clock::time_point store_origin,
                  const std::vector<trace_event>& events) {
@@ -225,7 +111,7 @@ void write_trace(const std::string& path, const block_store& store, clock::time_
   store.write_trace(ss);
   nlohmann::json doc = nlohmann::json::parse(ss.str());
   auto& list = doc["traceEvents"];
-  const std::map<std::string, int> tracks = {{"device (simulated)", 1}, {"host", 2}, {"stall", 3}};
+  const std::map<std::string, int> tracks = {{device_track, 1}, {host_track, 2}, {stall_track, 3}};
   list.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", 10}, {"tid", 0},
                   {"args", {{"name", "bench offload"}}}});
   for (const auto& [name, tid] : tracks) {
@@ -254,8 +140,6 @@ offload_result run_offload(const offload_plan& plan) {
   const offload_options& o = plan.options;
   offload_result r;
   r.strategy = to_string(o.strategy);
-  r.device_model = o.device_model.describe();
-  r.compute_seconds = plan.step_compute_seconds;
 
   // The store: a pinned host tier to stream through, NVMe extents for the state
   // in a directory of this run's own, removed (once its files are) at the end.
@@ -270,7 +154,7 @@ offload_result run_offload(const offload_plan& plan) {
   if (plan.memory.state_on_nvme) {
     nvme_dir.path = o.nvme_dir + "/tierflow-offload-" + std::to_string(::getpid());
     sc.nvme = tiers::nvme_tier_options{.directory = nvme_dir.path,
-                                       .budget = plan.memory.state_bytes + (64ull << 20),
+                                       .budget = plan.memory.state_bytes + nvme_slack,
                                        .file_size = 256ull << 20};
   }
   sc.store.trace = !o.trace_path.empty();
@@ -296,9 +180,10 @@ offload_result run_offload(const offload_plan& plan) {
   stream.evict_after_update = plan.memory.state_on_nvme;
 
   // Initial values: parameters 0.02, state zero — every byte written once.
+  constexpr float initial_parameter = 0.02f;
   run_optimizer_stream(*store, all, [&](std::size_t i, std::span<const std::span<std::byte>> b) {
     const std::uint64_t n = plan.chunks[i].shape.elements();
-    std::ranges::fill(as_floats(b[0], n), 0.02f);
+    std::ranges::fill(as_floats(b[0], n), initial_parameter);
     for (std::size_t k = 1; k < b.size(); ++k) std::ranges::fill(as_floats(b[k], n), 0.0f);
   }, stream);
 
@@ -336,8 +221,6 @@ offload_result run_offload(const offload_plan& plan) {
   } restore;
   if (!cores.trainer.empty()) pin_current_thread(cores.trainer);
   optim_rule rule(plan.chunks, ex);
-  upload_link h2d(o.device_model);
-  std::vector<trace_event> events;
 
   // One whole chunk's optimizer step on the given buffers, with the fixed gradient.
   auto update_chunk = [&](std::size_t i, std::span<float> param, std::span<float> state0, std::span<float> state1,
@@ -374,7 +257,7 @@ offload_result run_offload(const offload_plan& plan) {
     const auto io_start = clock::now();
     run_optimizer_stream(*store, all, [](std::size_t, std::span<const std::span<std::byte>>) {}, stream);
     r.io_alone_seconds = seconds_between(io_start, clock::now());
-    std::vector<float> p(largest, 0.02f), m(largest, 0.0f), v(largest, 0.0f);
+    std::vector<float> p(largest, initial_parameter), m(largest, 0.0f), v(largest, 0.0f);
     const auto compute_start = clock::now();
     for (std::size_t i = 0; i < plan.chunks.size(); ++i) {
       const std::size_t n = static_cast<std::size_t>(plan.chunks[i].shape.elements());
@@ -385,80 +268,24 @@ offload_result run_offload(const offload_plan& plan) {
   }
 
   std::unique_ptr<store_host_state> host_state;
-  std::unique_ptr<sim_device_side> device;
-  std::unique_ptr<zenflow::engine> engine;
-  if (o.strategy == strategy::zenflow) {
-    host_state = std::make_unique<store_host_state>(*store, plan, blocks, stream);
-    device = std::make_unique<sim_device_side>(plan, h2d, gradient);
-    std::vector<zenflow::weight_shape> shapes;
-    for (const auto& c : plan.chunks) shapes.push_back(c.shape);
-    engine = std::make_unique<zenflow::engine>(plan.zenflow, std::move(shapes), *device, *host_state, rule);
-  }
-
-  // The steps, on the device timeline.
-  std::uint64_t d2h_bytes = 0;
-  clock::time_point device_free = clock::now();
-  clock::time_point d2h_free = device_free;
-  clock::time_point params_ready = device_free;
-  std::vector<clock::time_point> host_done;
-  double device_extra = 0;
-  std::vector<double> optimizer_times;
-  for (std::uint64_t s = 0; s < o.steps; ++s) {
-    const auto start = std::max(device_free, params_ready);
-    step_record rec;
-    rec.step = s;
-    rec.stall_seconds = std::max(0.0, seconds_between(device_free, start));
-    const auto compute_end = start + span_of(plan.step_compute_seconds + device_extra);
-    rec.seconds = seconds_between(device_free, compute_end);
-    if (rec.stall_seconds > 0) events.push_back({"stall", "stall", device_free, rec.stall_seconds});
-    events.push_back({"step " + std::to_string(s), "device (simulated)", start, seconds_between(start, compute_end)});
-    device_free = compute_end;
-    // The gradient goes down on the D2H copy engine, overlapping later compute.
-    d2h_free = std::max(compute_end, d2h_free) + span_of(o.device_model.transfer_seconds(plan.gradient_bytes));
-    d2h_bytes += plan.gradient_bytes;
-    // While the device computes step s: a boundary step needs the previous
-    // window's result applied before step s+1; the trainer does that during
-    // the backward, not after the gradient came down.
-    clock::time_point applied_at{};
-    if (engine && engine->will_update()) {
-      const auto apply_start = clock::now();
-      engine->apply_previous_window();
-      applied_at = clock::now();
-      events.push_back({"host: apply window", "host", apply_start, seconds_between(apply_start, applied_at)});
-    }
-    std::this_thread::sleep_until(d2h_free);
-
-    const auto host_start = clock::now();
-    if (o.strategy == strategy::zenflow) {
-      const zenflow::step_report report = engine->step();
-      rec.boundary = report.update_boundary;
-      device_extra = device->take_device_seconds();
-      const auto uploads = device->take_ready_at();
-      if (rec.boundary && (report.refreshed || !o.overlap)) {
-        params_ready = std::max(clock::now(), uploads);  // the host's step decides the next one
-      } else if (rec.boundary) {
-        params_ready = std::max(applied_at, uploads);  // the previous window, applied early
-      } else {
-        params_ready = s >= 1 ? host_done[s - 1] : clock::time_point{};  // two staging buffers
-      }
-    } else {
-      const auto st = full_optimizer_step(o.strategy == strategy::pipelined);
-      optimizer_times.push_back(std::chrono::duration<double>(st.total).count());
-      params_ready = h2d.send(plan.parameter_bytes);  // every parameter back up
-      rec.boundary = true;
-    }
-    const auto host_end = clock::now();
-    host_done.push_back(host_end);
-    rec.host_seconds = seconds_between(host_start, host_end);
-    events.push_back({rec.boundary ? "host: step + update" : "host: accumulate", "host", host_start,
-                      rec.host_seconds});
-    r.steps.push_back(rec);
-  }
-  // The device's last step must also see its inputs: the drain.
-  const auto drain_start = clock::now();
-  if (engine) engine->finish();
+  if (o.strategy == strategy::zenflow) host_state = std::make_unique<store_host_state>(*store, plan, blocks, stream);
+  const step_loop_inputs inputs{
+      .plan = plan,
+      .rule = rule,
+      .host_state = host_state.get(),
+      .gradient = gradient,
+      .initial_parameter = initial_parameter,
+      .optimizer_step = [&] { return full_optimizer_step(o.strategy == strategy::pipelined).total; },
+  };
+  step_loop_output loop = o.device == device_kind::cuda ? cuda_steps(inputs) : simulate_steps(inputs);
+  const auto flush_start = clock::now();
   store->flush();
-  r.drain_seconds = seconds_between(drain_start, clock::now());
+  loop.drain_seconds += seconds_between(flush_start, clock::now());
+
+  r.device_model = loop.device_description;
+  r.compute_seconds = loop.compute_seconds;
+  r.steps = std::move(loop.steps);
+  r.drain_seconds = loop.drain_seconds;
 
   // Summary.
   // The summary is over the steady state: the first update window warms up
@@ -482,20 +309,20 @@ offload_result run_offload(const offload_plan& plan) {
   r.max_step_seconds = *std::max_element(times.begin(), times.end());
   r.stall_fraction = total > 0 ? stall / total : 0;
   r.host_work_per_step_seconds = nonboundary ? host_nonboundary / static_cast<double>(nonboundary) : 0;
-  if (!optimizer_times.empty())
-    r.optimizer_step_seconds = std::accumulate(optimizer_times.begin(), optimizer_times.end(), 0.0) /
-                               static_cast<double>(optimizer_times.size());
+  if (!loop.optimizer_seconds.empty())
+    r.optimizer_step_seconds = std::accumulate(loop.optimizer_seconds.begin(), loop.optimizer_seconds.end(), 0.0) /
+                               static_cast<double>(loop.optimizer_seconds.size());
 
-  r.bytes["pcie_d2h"] = d2h_bytes;
-  r.bytes["pcie_h2d"] = h2d.bytes();
+  r.bytes["pcie_d2h"] = loop.d2h_bytes;
+  r.bytes["pcie_h2d"] = loop.h2d_bytes;
   const store_telemetry t = store->telemetry();
   for (const auto& link : t.links) r.bytes[link.name] = link.bytes;
   r.telemetry_json = to_json(t);
 
-  if (engine) {
-    const auto& st = engine->stats();
+  if (loop.engine_stats) {
+    const auto& st = *loop.engine_stats;
     const double k = static_cast<double>(o.update_interval);
-    r.window_compute_seconds = k * plan.step_compute_seconds;
+    r.window_compute_seconds = k * r.compute_seconds;
     r.cpu_step_seconds = st.cpu_steps ? std::chrono::duration<double>(st.cpu_step_time).count() /
                                             static_cast<double>(st.cpu_steps)
                                       : 0;
@@ -503,16 +330,16 @@ offload_result run_offload(const offload_plan& plan) {
     std::ostringstream h;
     h.precision(3);
     const bool window_ok = r.window_compute_seconds >= need;
-    const bool step_ok = r.host_work_per_step_seconds <= plan.step_compute_seconds;
+    const bool step_ok = r.host_work_per_step_seconds <= r.compute_seconds;
     if (window_ok && step_ok) {
       h << "hideable: a window computes " << r.window_compute_seconds << " s on the device, "
         << r.window_compute_seconds / std::max(r.cpu_step_seconds, 1e-9) << "x its CPU step with I/O ("
         << r.cpu_step_seconds << " s)";
     } else {
-      const double per_token = plan.step_compute_seconds / static_cast<double>(o.batch_tokens);
+      const double per_token = r.compute_seconds / static_cast<double>(o.batch_tokens);
       const double want = std::max(need / k, r.host_work_per_step_seconds);
       const auto batch = static_cast<std::uint64_t>(std::ceil(want / per_token));
-      const auto interval = static_cast<std::uint64_t>(std::ceil(need / plan.step_compute_seconds));
+      const auto interval = static_cast<std::uint64_t>(std::ceil(need / r.compute_seconds));
       h << "not hideable: a window computes " << r.window_compute_seconds << " s against a CPU step with I/O of "
         << r.cpu_step_seconds << " s (1.5x needed) and " << r.host_work_per_step_seconds
         << " s of host accumulation per step; --batch-tokens " << batch;
@@ -524,7 +351,7 @@ offload_result run_offload(const offload_plan& plan) {
 
   if (!o.trace_path.empty()) {
     // The store's trace counts from its creation.
-    write_trace(o.trace_path, *store, store_made, events);
+    write_trace(o.trace_path, *store, store_made, loop.events);
   }
   return r;
 }

@@ -1,19 +1,8 @@
 // Runs one strategy of `tierflow bench offload` on a plan: the CPU optimizer
 // and the NVMe I/O for real, on real bytes; the device's compute and its PCIe
-// link from the stated model (sim_device).
-//
-// The device is a timeline anchored to the wall clock. Step s starts when the
-// device is free and its inputs are ready; it computes for the modelled time,
-// then its gradient goes down the D2H link. The host thread waits for that
-// gradient, does the strategy's host work for real, and the time it finishes
-// decides when later steps may start:
-//   sync, pipelined: step s+1 needs the whole optimizer step and the upload of
-//                    every parameter (ZeRO-Offload / ZeRO-Infinity);
-//   zenflow:         step s+1 needs the host only after an update boundary
-//                    (the previous window's upload); otherwise only that the
-//                    host has consumed the gradient of step s-1 (two pinned
-//                    staging buffers).
-// The device's waiting is the stall.
+// link either from the stated model (--device sim) or on a CUDA GPU (--device
+// cuda). The device's waiting for the host is the stall; steps.hpp has the
+// two devices' loops.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +24,7 @@ struct step_record {
 
 struct offload_result {
   std::string strategy;
-  std::string device_model;  // the stated model, one line
+  std::string device_model;  // the stated model or the GPU, one line
   std::vector<step_record> steps;
   std::uint64_t warm_up_steps = 0;  // the first steps, shown but left out of the summary
   double step_seconds = 0;      // mean over the steady state
@@ -43,7 +32,7 @@ struct offload_result {
   double max_step_seconds = 0;
   double stall_fraction = 0;
   double drain_seconds = 0;     // after the last step: the last optimizer work finishing
-  double compute_seconds = 0;   // modelled device compute per step
+  double compute_seconds = 0;   // device compute per step: modelled (sim) or measured (cuda)
   std::map<std::string, std::uint64_t> bytes;  // per link
   // The optimizer step alone, when it ran as a whole step (sync, pipelined):
   // its mean time, and what I/O alone and compute alone take for the same state.

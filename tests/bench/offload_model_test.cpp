@@ -36,6 +36,24 @@ TEST(OffloadModel, StepFlopsAreSixPerParameterPerToken) {
   EXPECT_DOUBLE_EQ(m.step_flops(1000), 6.0 * static_cast<double>(m.compute_parameters()) * 1000);
 }
 
+// The matmuls a GPU runs per step carry all the step's FLOPs but the 1-D
+// weights' (norms and biases, under 0.1%).
+TEST(OffloadModel, MatmulsCarryTheStepFlops) {
+  for (const char* name : {"gpt2-small", "llama-7b"}) {
+    const model_shape m = make_model(name);
+    double flops = 0;
+    for (const auto& w : m.matmuls()) {
+      EXPECT_TRUE(w.matrix()) << w.name;
+      flops += 6.0 * static_cast<double>(w.elements()) * 1000;
+    }
+    EXPECT_LT(flops, m.step_flops(1000)) << name;
+    EXPECT_GT(flops, 0.999 * m.step_flops(1000)) << name;
+  }
+  // gpt2 ties its head to the token embedding: that matmul is there too.
+  const auto mm = make_model("gpt2-small").matmuls();
+  EXPECT_EQ(mm.back().name, "wte");
+}
+
 TEST(OffloadModel, UnknownSpecNamesThePresets) {
   for (const char* bad : {"gpt5", "24x1024", "0x1x1", "axbxc", "24x1024x50257x1"}) {
     try {

@@ -24,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -42,117 +43,6 @@ namespace {
 error_context cuda_context(const char* operation) {
   return error_context{std::string("zenflow ") + operation}.in_tier("device");
 }
-
-// ---- move-only handles ------------------------------------------------------------
-
-// Makes `device` current on the calling thread for a scope and restores the
-// thread's previous device after: the trainer's thread and the engine's
-// CPU-step thread may be set to another device by the program.
-class device_scope {
- public:
-  explicit device_scope(int device) {
-    TF_CUDA_CHECK(cudaGetDevice(&previous_), cuda_context("cudaGetDevice"));
-    if (previous_ != device) {
-      TF_CUDA_CHECK(cudaSetDevice(device), cuda_context("cudaSetDevice"));
-      changed_ = true;
-    }
-  }
-  ~device_scope() {
-    if (!changed_) return;
-    if (const cudaError_t rc = cudaSetDevice(previous_); rc != cudaSuccess) warn_cuda("cudaSetDevice", rc);
-  }
-  device_scope(const device_scope&) = delete;
-  device_scope& operator=(const device_scope&) = delete;
-
- private:
-  int previous_ = 0;
-  bool changed_ = false;
-};
-
-// Page-locked host memory (cudaMallocHost): copies from and to it are DMA,
-// truly asynchronous with respect to the host.
-class pinned_buffer {
- public:
-  pinned_buffer() = default;
-  pinned_buffer(pinned_buffer&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
-  pinned_buffer& operator=(pinned_buffer&& o) noexcept {
-    if (this != &o) {
-      reset();
-      data_ = std::exchange(o.data_, nullptr);
-      bytes_ = std::exchange(o.bytes_, 0);
-    }
-    return *this;
-  }
-  ~pinned_buffer() { reset(); }
-
-  // Makes the buffer at least `bytes` long; its contents are lost when it
-  // grows. No copy from or to it may be in flight.
-  void reserve(std::size_t bytes, const char* what) {
-    if (bytes <= bytes_) return;
-    const std::size_t grown = std::max(bytes, bytes_ + bytes_ / 2);
-    reset();
-    TF_CUDA_CHECK(cudaMallocHost(&data_, grown), cuda_context("cudaMallocHost").of_block(what).range(0, grown));
-    bytes_ = grown;
-  }
-  std::byte* data() const noexcept { return static_cast<std::byte*>(data_); }
-  std::size_t size() const noexcept { return bytes_; }
-
- private:
-  void reset() noexcept {
-    if (!data_) return;
-    if (const cudaError_t rc = cudaFreeHost(std::exchange(data_, nullptr)); rc != cudaSuccess)
-      warn_cuda("cudaFreeHost", rc);
-    bytes_ = 0;
-  }
-  void* data_ = nullptr;
-  std::size_t bytes_ = 0;
-};
-
-// Device memory from cudaMalloc, or stream-ordered from cudaMallocAsync
-// (freed with cudaFreeAsync on the same stream, after the work enqueued there).
-class device_memory {
- public:
-  device_memory() = default;
-  static device_memory allocate(std::size_t bytes, const error_context& context) {
-    device_memory m;
-    if (bytes == 0) return m;
-    TF_CUDA_CHECK(cudaMalloc(&m.data_, bytes), error_context(context).range(0, bytes));
-    return m;
-  }
-  static device_memory allocate_async(std::size_t bytes, cudaStream_t stream, const error_context& context) {
-    device_memory m;
-    if (bytes == 0) return m;
-    TF_CUDA_CHECK(cudaMallocAsync(&m.data_, bytes, stream), error_context(context).range(0, bytes));
-    m.stream_ = stream;
-    m.async_ = true;
-    return m;
-  }
-  device_memory(device_memory&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), stream_(o.stream_), async_(o.async_) {}
-  device_memory& operator=(device_memory&& o) noexcept {
-    if (this != &o) {
-      reset();
-      data_ = std::exchange(o.data_, nullptr);
-      stream_ = o.stream_;
-      async_ = o.async_;
-    }
-    return *this;
-  }
-  ~device_memory() { reset(); }
-  void* get() const noexcept { return data_; }
-
- private:
-  void reset() noexcept {
-    if (!data_) return;
-    void* p = std::exchange(data_, nullptr);
-    const cudaError_t rc = async_ ? cudaFreeAsync(p, stream_) : cudaFree(p);
-    if (rc != cudaSuccess) warn_cuda(async_ ? "cudaFreeAsync" : "cudaFree", rc);
-  }
-  void* data_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  bool async_ = false;
-};
 
 // ---- layouts ------------------------------------------------------------------------
 
@@ -188,9 +78,9 @@ struct cuda_zenflow_device::impl {
 
   struct weight_state {
     std::vector<std::uint32_t> columns;  // owned, ascending: the slots' columns
-    device_memory packed;                // packed_layout(columns.size(), rows)
-    device_memory staging;               // 2-D: elements in compute_type
-    device_memory staged_columns;        // 2-D: uint32[cols]
+    cuda_device_memory packed;                // packed_layout(columns.size(), rows)
+    cuda_device_memory staging;               // 2-D: elements in compute_type
+    cuda_device_memory staged_columns;        // 2-D: uint32[cols]
     std::vector<zenflow::column_run> staged_runs;  // of the last stage_upload()
     std::uint64_t staged_count = 0;                // columns in staged_columns
     cuda_event applied;                            // 2-D: after apply_staged()'s copy
@@ -204,16 +94,18 @@ struct cuda_zenflow_device::impl {
   bool pools = false;             // cudaMallocAsync is available
   std::int64_t simd_target = 0;   // for the host conversions
   std::size_t compute_size = 4;   // bytes per compute_type element
+  // Bytes copied over the link each way (stage_upload() adds from its thread).
+  std::atomic<std::uint64_t> bytes_down{0}, bytes_up{0};
 
   // Destroyed after every buffer (declared first): the last stage_upload()
   // waited for it, and the destructor waits again.
   cuda_stream upload_stream;
-  pinned_buffer upload_pinned;      // stage_upload(): compute_type data, then the column list
+  cuda_pinned_buffer upload_pinned;      // stage_upload(): compute_type data, then the column list
   std::size_t upload_columns_offset = 0;
-  pinned_buffer download_pinned;    // download_gradient(): grad_type
+  cuda_pinned_buffer download_pinned;    // download_gradient(): grad_type
   std::vector<float> download_fp32; // download_gradient() of bf16/fp16 gradients
-  pinned_buffer transfer;           // the trainer thread's other transfers, grown on demand
-  device_memory importance;         // float[max cols]
+  cuda_pinned_buffer transfer;           // the trainer thread's other transfers, grown on demand
+  cuda_device_memory importance;         // float[max cols]
   std::vector<weight_state> state;
 
   bool live = false;  // the device was found: the handles below need it current to be released
@@ -304,7 +196,7 @@ cuda_zenflow_device::cuda_zenflow_device(const std::vector<zenflow::weight_shape
   if (options.device < 0 || options.device >= count)
     throw user_error("zenflow cuda device: device " + std::to_string(options.device) + " does not exist (" +
                      std::to_string(count) + " visible)");
-  const device_scope scope(options.device);
+  const cuda_device_scope scope(options.device);
   d.live = true;
   TF_CUDA_CHECK(cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, options.device),
                 cuda_context("cudaDeviceGetAttribute"));
@@ -338,20 +230,20 @@ cuda_zenflow_device::cuda_zenflow_device(const std::vector<zenflow::weight_shape
     max_cols = std::max(max_cols, s.cols);
     if (s.matrix()) {
       max_matrix_elements = std::max(max_matrix_elements, s.elements());
-      ws.staging = device_memory::allocate(s.elements() * d.compute_size, d.context("cudaMalloc staging", w));
+      ws.staging = cuda_device_memory::allocate(s.elements() * d.compute_size, d.context("cudaMalloc staging", w));
       ws.staged_columns =
-          device_memory::allocate(s.cols * sizeof(std::uint32_t), d.context("cudaMalloc staged columns", w));
+          cuda_device_memory::allocate(s.cols * sizeof(std::uint32_t), d.context("cudaMalloc staged columns", w));
       ws.applied = cuda_event::create();
     } else {
       // A 1-D weight is the device's from the start: one slot, column 0, its
       // master set by initialize() and its moments zero.
       ws.columns = {0};
       const packed_layout l = d.layout(w);
-      ws.packed = device_memory::allocate(l.bytes, d.context("cudaMalloc packed state", w));
+      ws.packed = cuda_device_memory::allocate(l.bytes, d.context("cudaMalloc packed state", w));
       TF_CUDA_CHECK(cudaMemsetAsync(ws.packed.get(), 0, l.bytes, d.stream), d.context("cudaMemsetAsync", w));
     }
   }
-  d.importance = device_memory::allocate(max_cols * sizeof(float), cuda_context("cudaMalloc importance"));
+  d.importance = cuda_device_memory::allocate(max_cols * sizeof(float), cuda_context("cudaMalloc importance"));
   d.download_pinned.reserve(max_elements * size_of(options.grad_type), "gradient download");
   if (options.grad_type != dtype::fp32) d.download_fp32.resize(max_elements);
   if (max_matrix_elements > 0) {
@@ -373,7 +265,7 @@ void cuda_zenflow_device::initialize(std::size_t w, std::span<const float> maste
   if (master.size() != s.elements())
     throw user_error("zenflow cuda device: initialize: weight \"" + s.name + "\" has " +
                      std::to_string(s.elements()) + " elements, got " + std::to_string(master.size()));
-  const device_scope scope(d.options.device);
+  const cuda_device_scope scope(d.options.device);
   const std::size_t n = master.size(), compute_bytes = n * d.compute_size;
   const std::size_t master_at = align_up(compute_bytes);
   d.transfer.reserve(master_at + (s.matrix() ? 0 : n * sizeof(float)), "initialize");
@@ -383,14 +275,20 @@ void cuda_zenflow_device::initialize(std::size_t w, std::span<const float> maste
   TF_CUDA_CHECK(cudaMemcpyAsync(d.tensors[w].parameters, d.transfer.data(), compute_bytes, cudaMemcpyHostToDevice,
                                 d.stream),
                 d.context("cudaMemcpyAsync initialize", w));
+  d.bytes_up += compute_bytes;
   if (!s.matrix()) {
     // The device-owned master of a 1-D weight.
     std::memcpy(d.transfer.data() + master_at, master.data(), n * sizeof(float));
     TF_CUDA_CHECK(cudaMemcpyAsync(d.planes(w).master, d.transfer.data() + master_at, n * sizeof(float),
                                   cudaMemcpyHostToDevice, d.stream),
                   d.context("cudaMemcpyAsync initialize", w));
+    d.bytes_up += n * sizeof(float);
   }
   d.synchronize(w);  // the transfer buffer is free again
+}
+
+cuda_zenflow_traffic cuda_zenflow_device::traffic() const {
+  return {impl_->bytes_down.load(), impl_->bytes_up.load()};
 }
 
 std::span<const std::uint32_t> cuda_zenflow_device::owned_columns(std::size_t w) const {
@@ -402,7 +300,7 @@ void cuda_zenflow_device::column_importance(std::size_t w, zenflow::importance_n
   impl& d = *impl_;
   TF_ASSERT(w < d.weights.size() && out.size() == d.weights[w].cols);
   const zenflow::weight_shape& s = d.weights[w];
-  const device_scope scope(d.options.device);
+  const cuda_device_scope scope(d.options.device);
   auto* scores = static_cast<float*>(d.importance.get());
   d.check_launch(detail::launch_column_importance(d.tensors[w].gradient, d.options.grad_type, s.rows, s.cols,
                                                   norm == zenflow::importance_norm::l2 ? detail::column_norm::l2
@@ -414,6 +312,7 @@ void cuda_zenflow_device::column_importance(std::size_t w, zenflow::importance_n
   d.transfer.reserve(bytes, "column importance");
   TF_CUDA_CHECK(cudaMemcpyAsync(d.transfer.data(), scores, bytes, cudaMemcpyDeviceToHost, d.stream),
                 d.context("cudaMemcpyAsync column importance", w));
+  d.bytes_down += bytes;
   d.synchronize(w);
   std::memcpy(out.data(), d.transfer.data(), bytes);
 }
@@ -423,7 +322,7 @@ void cuda_zenflow_device::update_owned(std::size_t w, std::int64_t step) {
   TF_ASSERT(w < d.weights.size() && step >= 1);
   const impl::weight_state& ws = d.state[w];
   if (ws.columns.empty()) return;
-  const device_scope scope(d.options.device);
+  const cuda_device_scope scope(d.options.device);
   const detail::state_planes planes = d.planes(w);
   detail::adam_columns_args a;
   a.master = planes.master;
@@ -445,10 +344,11 @@ std::span<const float> cuda_zenflow_device::download_gradient(std::size_t w) {
   impl& d = *impl_;
   TF_ASSERT(w < d.weights.size());
   const std::size_t n = d.weights[w].elements();
-  const device_scope scope(d.options.device);
+  const cuda_device_scope scope(d.options.device);
   TF_CUDA_CHECK(cudaMemcpyAsync(d.download_pinned.data(), d.tensors[w].gradient, n * size_of(d.options.grad_type),
                                 cudaMemcpyDeviceToHost, d.stream),
                 d.context("cudaMemcpyAsync gradient download", w));
+  d.bytes_down += n * size_of(d.options.grad_type);
   d.synchronize(w);
   if (d.options.grad_type == dtype::fp32) return {reinterpret_cast<const float*>(d.download_pinned.data()), n};
   detail::convert_range(d.simd_target, d.download_pinned.data(), d.options.grad_type, d.download_fp32.data(),
@@ -470,7 +370,7 @@ void cuda_zenflow_device::stage_upload(std::size_t w, std::span<const zenflow::c
   ws.staged_runs.assign(runs.begin(), runs.end());
   ws.staged_count = 0;
   if (runs.empty()) return;
-  const device_scope scope(d.options.device);
+  const cuda_device_scope scope(d.options.device);
   const cudaStream_t upload = d.upload_stream.get();
   // The previous window's apply_staged() copy may still be reading staging
   // and staged_columns on the trainer's stream: the upload waits for it
@@ -494,9 +394,11 @@ void cuda_zenflow_device::stage_upload(std::size_t w, std::span<const zenflow::c
   TF_CUDA_CHECK(cudaMemcpyAsync(static_cast<std::byte*>(ws.staging.get()) + first, d.upload_pinned.data() + first,
                                 last - first, cudaMemcpyHostToDevice, upload),
                 d.context("cudaMemcpyAsync master upload", w).range(first, last - first));
+  d.bytes_up += last - first;
   TF_CUDA_CHECK(cudaMemcpyAsync(ws.staged_columns.get(), columns, count * sizeof(std::uint32_t),
                                 cudaMemcpyHostToDevice, upload),
                 d.context("cudaMemcpyAsync master upload", w));
+  d.bytes_up += count * sizeof(std::uint32_t);
   // Done before returning: the engine applies the runs only after this
   // returned, and the pinned buffer serves the next weight.
   TF_CUDA_CHECK(cudaStreamSynchronize(upload), d.context("cudaStreamSynchronize upload", w));
@@ -509,7 +411,7 @@ void cuda_zenflow_device::apply_staged(std::size_t w, std::span<const zenflow::c
   if (runs.empty()) return;
   const zenflow::weight_shape& s = d.weights[w];
   impl::weight_state& ws = d.state[w];
-  const device_scope scope(d.options.device);
+  const cuda_device_scope scope(d.options.device);
   if (std::equal(runs.begin(), runs.end(), ws.staged_runs.begin(), ws.staged_runs.end())) {
     // The runs just staged (the engine's case): one kernel over their columns.
     d.check_launch(detail::launch_copy_columns(d.tensors[w].parameters, ws.staging.get(), d.compute_size,
@@ -579,7 +481,7 @@ void cuda_zenflow_device::hand_over(std::size_t w, std::span<const std::uint32_t
   const std::size_t up_bytes = columns_at + slots * sizeof(std::uint32_t);
   const std::size_t out_at = align_up(up_bytes);
   const std::size_t total = out_at + 3 * out_plane * sizeof(float);
-  const device_scope scope(d.options.device);
+  const cuda_device_scope scope(d.options.device);
   d.transfer.reserve(total, "hand-over");
   std::byte* const pinned = d.transfer.data();
   {
@@ -598,13 +500,14 @@ void cuda_zenflow_device::hand_over(std::size_t w, std::span<const std::uint32_t
     if (!leaving.empty()) std::memcpy(pinned + leaving_at, leaving.data(), leaving.size() * sizeof(std::int64_t));
   }
   // Freed at the end of this function, after the synchronisation below.
-  device_memory scratch =
-      d.pools ? device_memory::allocate_async(total, d.stream, d.context("cudaMallocAsync hand-over", w))
-              : device_memory::allocate(total, d.context("cudaMalloc hand-over", w));
+  cuda_device_memory scratch =
+      d.pools ? cuda_device_memory::allocate_async(total, d.stream, d.context("cudaMallocAsync hand-over", w))
+              : cuda_device_memory::allocate(total, d.context("cudaMalloc hand-over", w));
   auto* const dev = static_cast<std::byte*>(scratch.get());
   if (up_bytes > 0) {
     TF_CUDA_CHECK(cudaMemcpyAsync(dev, pinned, up_bytes, cudaMemcpyHostToDevice, d.stream),
                   d.context("cudaMemcpyAsync hand-over", w));
+    d.bytes_up += up_bytes;
   }
   const detail::state_planes old_planes = d.planes(w);
   const detail::const_state_planes kept{old_planes.master, old_planes.exp_avg, old_planes.exp_avg_sq};
@@ -622,14 +525,15 @@ void cuda_zenflow_device::hand_over(std::size_t w, std::span<const std::uint32_t
     TF_CUDA_CHECK(cudaMemcpyAsync(pinned + out_at, dev + out_at, 3 * out_plane * sizeof(float),
                                   cudaMemcpyDeviceToHost, d.stream),
                   d.context("cudaMemcpyAsync hand-over", w));
+    d.bytes_down += 3 * out_plane * sizeof(float);
   }
 
   // The new packed state, in selection order: kept slots move on the
   // device, entering ones come from the scratch and set their compute copy.
   const packed_layout next_layout(slots, rows);
-  device_memory next =
-      d.pools ? device_memory::allocate_async(next_layout.bytes, d.stream, d.context("cudaMallocAsync packed state", w))
-              : device_memory::allocate(next_layout.bytes, d.context("cudaMalloc packed state", w));
+  cuda_device_memory next =
+      d.pools ? cuda_device_memory::allocate_async(next_layout.bytes, d.stream, d.context("cudaMallocAsync packed state", w))
+              : cuda_device_memory::allocate(next_layout.bytes, d.context("cudaMalloc packed state", w));
   if (slots > 0) {
     auto* base = static_cast<float*>(next.get());
     auto* next_columns = reinterpret_cast<std::uint32_t*>(static_cast<std::byte*>(next.get()) + next_layout.columns_offset);

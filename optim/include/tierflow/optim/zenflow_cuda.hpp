@@ -54,6 +54,12 @@ struct cuda_zenflow_options {
   std::uintptr_t stream = 0;
 };
 
+// Bytes the device side has copied over the host link, each way.
+struct cuda_zenflow_traffic {
+  std::uint64_t device_to_host = 0;
+  std::uint64_t host_to_device = 0;
+};
+
 class cuda_zenflow_device final : public zenflow::device_side {
  public:
   // `weights` and `tensors` in the engine's weight order. Allocates the device
@@ -82,6 +88,9 @@ class cuda_zenflow_device final : public zenflow::device_side {
   // The columns whose master and moments the device holds, ascending: the
   // engine's selected(w) after every step.
   std::span<const std::uint32_t> owned_columns(std::size_t w) const;
+
+  // Every copy so far, counted when it is enqueued.
+  cuda_zenflow_traffic traffic() const;
 
   // zenflow::device_side. download_gradient()'s span is valid until the next
   // download_gradient() call for any weight (one buffer serves them all: the
