@@ -41,9 +41,10 @@ tiers::store_config config(const scratch_dir& dir) {
 }
 
 // The writer: versions start past `first` and go up, one checkpoint each.
-[[noreturn]] void run_writer(const std::string& ckpt, std::uint64_t first) {
+// Its store's files go in `dir`, which the parent made and removes: the
+// writer is killed, and never runs a destructor.
+[[noreturn]] void run_writer(const std::string& ckpt, std::uint64_t first, const scratch_dir& dir) {
   try {
-    scratch_dir dir;
     auto store = tiers::make_store(config(dir));
     std::vector<block_id> ids;
     for (int i = 0; i < block_count; ++i)
@@ -72,9 +73,10 @@ TEST(checkpoint_crash, a_writer_killed_at_any_instant_leaves_a_usable_checkpoint
   std::uint64_t newest = 0;  // the newest version restored so far
   int restored = 0;
   for (int round = 0; round < 24; ++round) {
+    const scratch_dir writer_dir;
     const pid_t pid = ::fork();
     ASSERT_GE(pid, 0);
-    if (pid == 0) run_writer(ckpt, newest);
+    if (pid == 0) run_writer(ckpt, newest, writer_dir);
     std::this_thread::sleep_for(std::chrono::microseconds(2000 + rng() % 60000));
     ::kill(pid, SIGKILL);
     int status = 0;
