@@ -77,10 +77,10 @@ struct cuda_zenflow_device::impl {
   } restore;
 
   struct weight_state {
-    std::vector<std::uint32_t> columns;  // owned, ascending: the slots' columns
-    cuda_device_memory packed;                // packed_layout(columns.size(), rows)
-    cuda_device_memory staging;               // 2-D: elements in compute_type
-    cuda_device_memory staged_columns;        // 2-D: uint32[cols]
+    std::vector<std::uint32_t> columns;            // owned, ascending: the slots' columns
+    cuda_device_memory packed;                     // packed_layout(columns.size(), rows)
+    cuda_device_memory staging;                    // 2-D: elements in compute_type
+    cuda_device_memory staged_columns;             // 2-D: uint32[cols]
     std::vector<zenflow::column_run> staged_runs;  // of the last stage_upload()
     std::uint64_t staged_count = 0;                // columns in staged_columns
     cuda_event applied;                            // 2-D: after apply_staged()'s copy
@@ -100,12 +100,12 @@ struct cuda_zenflow_device::impl {
   // Destroyed after every buffer (declared first): the last stage_upload()
   // waited for it, and the destructor waits again.
   cuda_stream upload_stream;
-  cuda_pinned_buffer upload_pinned;      // stage_upload(): compute_type data, then the column list
+  cuda_pinned_buffer upload_pinned;    // stage_upload(): compute_type data, then the column list
   std::size_t upload_columns_offset = 0;
-  cuda_pinned_buffer download_pinned;    // download_gradient(): grad_type
-  std::vector<float> download_fp32; // download_gradient() of bf16/fp16 gradients
-  cuda_pinned_buffer transfer;           // the trainer thread's other transfers, grown on demand
-  cuda_device_memory importance;         // float[max cols]
+  cuda_pinned_buffer download_pinned;  // download_gradient(): grad_type
+  std::vector<float> download_fp32;    // download_gradient() of bf16/fp16 gradients
+  cuda_pinned_buffer transfer;         // the trainer thread's other transfers, grown on demand
+  cuda_device_memory importance;       // float[max cols]
   std::vector<weight_state> state;
 
   bool live = false;  // the device was found: the handles below need it current to be released
