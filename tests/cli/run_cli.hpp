@@ -28,6 +28,13 @@ inline std::string slurp(const std::string& path) {
   return ss.str();
 }
 
+// The program under test: TIERFLOW_CLI as built, or $TIERFLOW_CLI_PATH when the
+// test binaries run from another folder (scripts/gpu_bundle.sh's bundle).
+inline const char* cli_path() {
+  const char* moved = std::getenv("TIERFLOW_CLI_PATH");
+  return moved && *moved ? moved : TIERFLOW_CLI;
+}
+
 // Runs TIERFLOW_CLI with `args`; stdout and stderr go through temporary files
 // so that large outputs cannot dead-lock a pipe. `in_child`, when given, runs
 // in the child just before exec (e.g. to install a seccomp filter); it may
@@ -46,10 +53,10 @@ inline cli_result run_cli(const std::vector<std::string>& args, void (*in_child)
     ::dup2(null_fd, STDIN_FILENO);
     if (in_child != nullptr) in_child();
     std::vector<char*> argv;
-    argv.push_back(const_cast<char*>(TIERFLOW_CLI));
+    argv.push_back(const_cast<char*>(cli_path()));
     for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
-    ::execv(TIERFLOW_CLI, argv.data());
+    ::execv(cli_path(), argv.data());
     ::_exit(127);
   }
   int status = 0;
