@@ -8,18 +8,14 @@
 #include <string_view>
 #include <vector>
 
+#include "tierflow/core/zenflow/engine.hpp"
+
 namespace tierflow::bench {
 
-// One parameter tensor. 2-D weights are rows × cols (ZenFlow scores their
-// columns); 1-D ones (norms, biases) have cols == 1 and are always updated
-// in full.
-struct weight {
-  std::string name;
-  std::uint64_t rows = 0;
-  std::uint64_t cols = 1;
-  bool matrix() const { return cols > 1; }
-  std::uint64_t elements() const { return rows * cols; }
-};
+// One parameter tensor, as written: rows × cols for a 2-D weight, cols == 1
+// for a 1-D one (norms, biases). The engine's shape type, so the plan can cut
+// a weight into the engine's sub-groups without converting.
+using weight = zenflow::weight_shape;
 
 struct model_shape {
   std::string name;
