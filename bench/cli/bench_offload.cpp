@@ -94,6 +94,9 @@ json result_json(const bench::offload_plan& plan, const bench::offload_result& r
             {"model", plan.model.name},
             {"parameters", plan.model.parameters()},
             {"optimizer", bench::to_string(plan.options.optimizer)},
+            {"device", plan.options.device == bench::device_kind::cuda
+                           ? "cuda:" + std::to_string(plan.options.cuda_device)
+                           : std::string("sim")},
             {"device_model", r.device_model},
             {"step_seconds", r.step_seconds},
             {"warm_up_steps", r.warm_up_steps},

@@ -98,6 +98,7 @@ TEST(BenchOffload, CudaDeviceRunsTheStepsOnTheGpu) {
     const auto r = run_cli(args);
     ASSERT_EQ(r.exit_code, 0) << strategy << ": " << r.err;
     const json j = json::parse(r.out);
+    EXPECT_EQ(j["device"], "cuda:0");
     EXPECT_NE(j["device_model"].get<std::string>().find("measured"), std::string::npos) << j["device_model"];
     EXPECT_GT(j["compute_seconds_per_step"].get<double>(), 0) << strategy;
     EXPECT_GE(j["stall_fraction"].get<double>(), 0) << strategy;
@@ -117,6 +118,7 @@ TEST(BenchOffload, ZenflowRunReportsTheDocumentedJson) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const json j = json::parse(r.out);
   EXPECT_EQ(j["strategy"], "zenflow");
+  EXPECT_EQ(j["device"], "sim");
   EXPECT_GT(j["step_seconds"].get<double>(), 0);
   EXPECT_GE(j["stall_fraction"].get<double>(), 0);
   EXPECT_LE(j["stall_fraction"].get<double>(), 1);
