@@ -9,6 +9,9 @@ Measures, at each thread count:
       move fewer bytes: reported in parameters per second);
   (c) torch.optim.AdamW(fused=True) on the CPU, when torch is installed;
   (d) DeepSpeed's DeepSpeedCPUAdam, when deepspeed is installed and its CPU op builds;
+  (e) (b)-(d) again as an offloaded trainer runs the step: also writing the bf16
+      copy of the updated parameters that goes back up to the GPU (tierflow in
+      the same pass; the peers, which have no such output, with a copy_ after);
 and for Muon on one --muon-shape matrix: tierflow's Newton–Schulz against its
 GEMMs alone, and tierflow's whole Muon step against torch.optim.Muon's.
 
@@ -63,14 +66,18 @@ def median_of(runs, key):
 TORCH_ADAMW = textwrap.dedent("""
     import json, sys, time, statistics
     import torch
-    n, threads, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    n, threads, steps, copy = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "copy"
     torch.set_num_threads(threads)
     p = torch.nn.Parameter(torch.full((n,), 0.5))
     p.grad = torch.full((n,), 1e-3)
     opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=1e-2, fused=True)
+    device_copy = torch.empty(n, dtype=torch.bfloat16)  # what goes back up to the GPU
     times = []
     for i in range(steps + 2):
-        t = time.perf_counter(); opt.step(); dt = time.perf_counter() - t
+        t = time.perf_counter()
+        opt.step()
+        if copy: device_copy.copy_(p.detach())
+        dt = time.perf_counter() - t
         if i >= 2: times.append(dt)
     print(json.dumps({"seconds_per_step": statistics.median(times), "version": torch.__version__}))
 """)
@@ -78,16 +85,20 @@ TORCH_ADAMW = textwrap.dedent("""
 DEEPSPEED_ADAM = textwrap.dedent("""
     import json, sys, time, statistics, os
     import torch
-    n, threads, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    n, threads, steps, copy = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "copy"
     torch.set_num_threads(threads)
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     p = torch.nn.Parameter(torch.full((n,), 0.5))
     p.grad = torch.full((n,), 1e-3)
     opt = DeepSpeedCPUAdam([p], lr=1e-3, weight_decay=1e-2, adamw_mode=True)
+    device_copy = torch.empty(n, dtype=torch.bfloat16)  # ZeRO-Offload copies the result like this
     times = []
     for i in range(steps + 2):
-        t = time.perf_counter(); opt.step(); dt = time.perf_counter() - t
+        t = time.perf_counter()
+        opt.step()
+        if copy: device_copy.copy_(p.detach())
+        dt = time.perf_counter() - t
         if i >= 2: times.append(dt)
     print(json.dumps({"seconds_per_step": statistics.median(times), "version": deepspeed.__version__}))
 """)
@@ -129,19 +140,25 @@ def has_module(python, name):
     return subprocess.run([python, "-c", f"import {name}"], capture_output=True).returncode == 0
 
 
-def adamw_row(args, python, n, t, pg, steps, have_torch, have_ds, peers_ok):
-    """fp32 AdamW at `t` threads on `pg` pages: tierflow, its bound, and each peer."""
+def adamw_row(args, python, n, t, pg, steps, have_torch, have_ds, peers_ok, copy=False):
+    """fp32 AdamW at `t` threads on `pg` pages: tierflow, its bound, and each peer.
+    With `copy`, every contender also writes the bf16 copy of the updated
+    parameters that goes back up to the GPU: tierflow in the same pass
+    (30 B/param), the peers with a copy_ after their step (28 + 6 B/param)."""
     huge = pg == "huge"
+    flags = ("--param-dtype", "bf16", "--grad-dtype", "fp32") if copy else ()
+    peer_bytes = 34.0 if copy else 28.0
     # Round-robin: each round runs tierflow and every peer once, so a change
     # in the machine's load (a shared host) hits all of them alike.
     contenders = {"torch_fused": (TORCH_ADAMW, have_torch), "deepspeed": (DEEPSPEED_ADAM, have_ds)}
     runs, peer_runs = [], {name: [] for name in contenders}
     for _ in range(args.repeat):
-        runs.append(tierflow(args, "--optimizer", "adamw", "--pages", pg, *steps))
+        runs.append(tierflow(args, "--optimizer", "adamw", "--pages", pg, *flags, *steps))
         for name, (script, ok) in contenders.items():
             if ok and not any("unavailable" in r for r in peer_runs[name]):
-                peer_runs[name].append(peer(python, script, [n, t, args.steps], t, huge_pages=huge))
-    row = {"threads": t, "pages": pg, "simd": runs[0]["simd"],
+                peer_runs[name].append(peer(python, script, [n, t, args.steps, "copy" if copy else "none"], t,
+                                            huge_pages=huge))
+    row = {"threads": t, "pages": pg, "simd": runs[0]["simd"], "bf16_copy": copy,
            "bound_bytes_per_second": median_of(runs, "bound_bytes_per_second"),
            "tierflow_bytes_per_second": median_of(runs, "bytes_per_second"),
            "tierflow_params_per_second": median_of(runs, "params_per_second"),
@@ -155,9 +172,27 @@ def adamw_row(args, python, n, t, pg, steps, have_torch, have_ds, peers_ok):
         else:
             s = statistics.median(r["seconds_per_step"] for r in prs)
             row[name] = {"version": prs[0]["version"], "seconds_per_step": s,
-                         "bytes_per_second": 28.0 * n / s, "params_per_second": n / s,
+                         "bytes_per_second": peer_bytes * n / s, "params_per_second": n / s,
                          "tierflow_speedup": row["tierflow_params_per_second"] / (n / s)}
     return row
+
+
+def print_adamw_table(rows):
+    gib = float(1 << 30)
+    print(f"{'threads':>7} {'pages':>5} {'simd':>7} {'bound GiB/s':>12} {'tierflow GiB/s':>15} {'/bound':>7} "
+          f"{'torch fused':>12} {'tf/torch':>9} {'deepspeed':>12} {'tf/ds':>7}")
+    for r in rows:
+        def cell(p):
+            return (f"{p['bytes_per_second'] / gib:12.2f}", f"{p['tierflow_speedup']:.2f}x") if "bytes_per_second" in p \
+                else (f"{p['unavailable'][:12]:>12}", "-")
+        tc, tr = cell(r["torch_fused"])
+        dc, dr = cell(r["deepspeed"])
+        print(f"{r['threads']:>7} {r['pages']:>5} {r['simd']:>7} {r['bound_bytes_per_second'] / gib:12.2f} "
+              f"{r['tierflow_bytes_per_second'] / gib:15.2f} {r['ratio_to_bound']:7.3f} {tc} {tr:>9} {dc} {dr:>7}")
+    for name in ("torch_fused", "deepspeed"):
+        u = [r[name]["unavailable"] for r in rows if "unavailable" in r[name]]
+        if u:
+            print(f"  {name}: {u[0]}")
 
 
 def main():
@@ -184,12 +219,15 @@ def main():
     have_torch = peers_ok and has_module(python, "torch")
     have_ds = peers_ok and has_module(python, "deepspeed")
 
-    result = {"params": n, "adamw": [], "modes": [], "muon": []}
+    result = {"params": n, "adamw": [], "adamw_copy": [], "modes": [], "muon": []}
     pages = [p for p in args.pages.split(",") if p]
     for t in threads:
         steps = ["--params", args.params, "--threads", str(t), "--steps", str(args.steps)]
         for pg in pages:
             result["adamw"].append(adamw_row(args, python, n, t, pg, steps, have_torch, have_ds, peers_ok))
+        # The step as an offloaded trainer runs it, on the host tier's pages.
+        result["adamw_copy"].append(adamw_row(args, python, n, t, pages[0], steps, have_torch, have_ds, peers_ok,
+                                              copy=True))
 
         for pd, sd in (("fp32", "bf16"), ("bf16", "fp32"), ("bf16", "bf16")):
             mruns = [tierflow(args, "--optimizer", "adamw", "--param-dtype", pd, "--state-dtype", sd, "--no-bound",
@@ -223,21 +261,11 @@ def main():
         return
     gib = float(1 << 30)
     print(f"AdamW fp32, {n} parameters (28 B/param); medians of {args.repeat} runs")
-    print(f"{'threads':>7} {'pages':>5} {'simd':>7} {'bound GiB/s':>12} {'tierflow GiB/s':>15} {'/bound':>7} "
-          f"{'torch fused':>12} {'tf/torch':>9} {'deepspeed':>12} {'tf/ds':>7}")
-    for r in result["adamw"]:
-        def cell(p):
-            return (f"{p['bytes_per_second'] / gib:12.2f}", f"{p['tierflow_speedup']:.2f}x") if "bytes_per_second" in p \
-                else (f"{p['unavailable'][:12]:>12}", "-")
-        tc, tr = cell(r["torch_fused"])
-        dc, dr = cell(r["deepspeed"])
-        print(f"{r['threads']:>7} {r['pages']:>5} {r['simd']:>7} {r['bound_bytes_per_second'] / gib:12.2f} "
-              f"{r['tierflow_bytes_per_second'] / gib:15.2f} {r['ratio_to_bound']:7.3f} {tc} {tr:>9} {dc} {dr:>7}")
-    for name in ("torch_fused", "deepspeed"):
-        u = [r[name]["unavailable"] for r in result["adamw"] if "unavailable" in r[name]]
-        if u:
-            print(f"  {name}: {u[0]}")
+    print_adamw_table(result["adamw"])
     print("  pages: huge = tierflow --pages huge and the peers with THP_MEM_ALLOC_ENABLE=1; 4k = neither")
+    print(f"\nAdamW fp32 + the bf16 copy for the GPU: tierflow in the same pass (30 B/param), the peers with a "
+          f"copy_ after the step (34 B/param)")
+    print_adamw_table(result["adamw_copy"])
     print("\ntierflow AdamW, other dtypes (params/s counts the work, bytes/s the traffic)")
     print(f"{'threads':>7} {'param':>6} {'state':>6} {'B/param':>8} {'Gparams/s':>10} {'GiB/s':>7}")
     for m in result["modes"]:
