@@ -187,7 +187,8 @@ offload_result run_offload(const offload_plan& plan) {
     for (std::size_t k = 1; k < b.size(); ++k) std::ranges::fill(as_floats(b[k], n), 0.0f);
   }, stream);
 
-  // The gradient the simulated device produces: random, fixed, real bytes.
+  // The gradient the host's optimizer works with (and the simulated device
+  // hands down; a GPU's ZenFlow side downloads its own): random, fixed, real bytes.
   std::uint64_t largest = 0;
   for (const auto& c : plan.chunks) largest = std::max(largest, c.shape.elements());
   std::vector<float> gradient(largest);
