@@ -166,9 +166,6 @@ double seconds_between(const cuda_event& a, const cuda_event& b) {
   TF_CUDA_CHECK(cudaEventElapsedTime(&ms, a.get(), b.get()), cuda_context("cudaEventElapsedTime"));
   return ms / 1e3;
 }
-double seconds_between(clock::time_point a, clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
 
 // A step's events on the device: its matmuls, and (ZenFlow) the device
 // side's update before the next step.
@@ -320,10 +317,7 @@ step_loop_output cuda_steps(const step_loop_inputs& in) {
   }
 
   // The timeline, read back from the events.
-  auto at = [&](const cuda_event& e) {
-    return origin_time + std::chrono::duration_cast<clock::duration>(
-                             std::chrono::duration<double>(seconds_between(origin, e)));
-  };
+  auto at = [&](const cuda_event& e) { return origin_time + span_of(seconds_between(origin, e)); };
   double compute_total = 0;
   for (std::uint64_t s = 0; s < o.steps; ++s) {
     step_record& rec = out.steps[s];

@@ -151,6 +151,7 @@ offload_plan make_plan(const offload_options& o) {
   // Host memory: gradient windows and staging first, the stream tier gets the rest.
   const std::uint64_t states = muon ? 2 : 3;  // master + moments (AdamW: 2, Muon: momentum)
   std::uint64_t largest = 0, total = 0, elements = 0;
+  std::uint64_t largest_elements = 0, matrix_elements = 0, vector_elements = 0;
   for (const auto& c : plan.chunks) {
     const std::uint64_t n = c.shape.elements();
     // AdamW chunks inside a Muon run still keep two moments.
@@ -159,17 +160,15 @@ offload_plan make_plan(const offload_options& o) {
     largest = std::max(largest, bytes);
     total += bytes;
     elements += n;
+    largest_elements = std::max(largest_elements, n);
+    (c.shape.matrix() ? matrix_elements : vector_elements) += n;
   }
   plan.memory.state_bytes = total;
   plan.memory.largest_sub_group = largest;
   plan.gradient_bytes = 2 * elements;
   plan.parameter_bytes = 2 * elements;
-  std::uint64_t largest_elements = 0;
-  for (const auto& c : plan.chunks) largest_elements = std::max(largest_elements, c.shape.elements());
   plan.memory.gradient_staging = aligned_size(largest_elements * sizeof(float));
   if (o.strategy == strategy::zenflow) {
-    std::uint64_t matrix_elements = 0;
-    for (const auto& c : plan.chunks) matrix_elements += c.shape.matrix() ? c.shape.elements() : 0;
     plan.memory.accumulators = (o.overlap ? 2 : 1) * matrix_elements * sizeof(float);
   }
   const std::uint64_t fixed = plan.memory.accumulators + plan.memory.gradient_staging;
@@ -211,8 +210,6 @@ offload_plan make_plan(const offload_options& o) {
   dm.parameters = plan.parameter_bytes;
   dm.gradients = plan.gradient_bytes;
   if (o.strategy == strategy::zenflow) {
-    std::uint64_t matrix_elements = 0, vector_elements = 0;
-    for (const auto& c : plan.chunks) (c.shape.matrix() ? matrix_elements : vector_elements) += c.shape.elements();
     const auto selected = static_cast<std::uint64_t>(std::ceil(o.topk_ratio * static_cast<double>(matrix_elements)));
     // fp32 master and two moments of what the device owns, and a bf16
     // staging copy of every 2-D weight for the windows' uploads.

@@ -29,10 +29,6 @@ namespace {
 
 using clock = offload_clock;
 
-double seconds_between(clock::time_point a, clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
 std::span<float> as_floats(std::span<std::byte> bytes, std::uint64_t elements) {
   TF_ASSERT(bytes.size() >= elements * sizeof(float));
   return {reinterpret_cast<float*>(bytes.data()), static_cast<std::size_t>(elements)};

@@ -27,13 +27,6 @@ namespace {
 
 using clock = offload_clock;
 
-clock::duration span_of(double seconds) {
-  return std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(seconds));
-}
-double seconds_between(clock::time_point a, clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
 // The simulated device's PCIe host → device link: transfers queue one after
 // another at the modelled rate. Thread-safe (the CPU step uploads from its thread).
 class upload_link {

@@ -25,6 +25,13 @@ namespace tierflow::bench {
 
 using offload_clock = std::chrono::steady_clock;
 
+inline offload_clock::duration span_of(double seconds) {
+  return std::chrono::duration_cast<offload_clock::duration>(std::chrono::duration<double>(seconds));
+}
+inline double seconds_between(offload_clock::time_point a, offload_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
 struct trace_event {
   std::string name;
   std::string track;  // one of trace_tracks()
