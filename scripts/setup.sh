@@ -2,7 +2,8 @@
 # Installs everything tierflow needs on a fresh Debian 12 machine, as root.
 # Idempotent: when every package is already present it only checks and returns.
 #
-#   scripts/setup.sh            system packages (build, test, fio as the I/O peer)
+#   scripts/setup.sh            system packages (build, test, fio as the I/O peer,
+#                               clang-16 for the thread-safety analysis)
 #   scripts/setup.sh --bench    also the Python benchmark peers (torch, deepspeed) in .venv/
 set -euo pipefail
 
@@ -15,6 +16,7 @@ apt_packages=(
   libcli11-dev nlohmann-json3-dev
   libhwy-dev libxxhash-dev libdnnl-dev
   fio jq util-linux e2fsprogs
+  clang-16
 )
 
 missing=()

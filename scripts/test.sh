@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs every tierflow test:
 #   1. the Release build (CUDA sources compiled for sm_90 when nvcc exists) and its tests;
-#   2. the same tests built with AddressSanitizer + UndefinedBehaviorSanitizer;
-#   3. the concurrent tests (block store, links, scheduler, ZenFlow engine)
+#   2. clang's thread-safety analysis of core/ and tiers/, from that build's
+#      compile_commands.json (a parse per file, not another build);
+#   3. the same tests built with AddressSanitizer + UndefinedBehaviorSanitizer;
+#   4. the concurrent tests (block store, links, scheduler, ZenFlow engine)
 #      built with ThreadSanitizer.
 # Fails on the first failure.
 set -euo pipefail
@@ -12,8 +14,11 @@ cd "$here"
 "$here/scripts/setup.sh"
 
 echo "== Release build and tests"
-"$here/scripts/build.sh" build
+"$here/scripts/build.sh" build -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
 ctest --test-dir build --output-on-failure -j "$(nproc)"
+
+echo "== Thread-safety analysis (clang)"
+"$here/scripts/thread_safety.sh" build
 
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and tests"
 "$here/scripts/build.sh" build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo \
