@@ -209,6 +209,17 @@ engine_config parse_config(const std::string& text, engine_config base) {
       if (!aio["single_submit"].is_boolean()) throw user_error("aio.single_submit: expected true or false");
       if (aio["single_submit"].get<bool>()) base.submit_batch = 1;
     }
+    if (aio.contains("overlap_events")) {
+      // DeepSpeed's false submits queue_depth requests and waits for all of
+      // them before submitting more. Both backends always refill the queue as
+      // each request completes, which is what true means; a config asking for
+      // the lockstep would otherwise be run with a behaviour it did not ask for.
+      if (!aio["overlap_events"].is_boolean()) throw user_error("aio.overlap_events: expected true or false");
+      if (!aio["overlap_events"].get<bool>())
+        throw user_error(
+            "aio.overlap_events: false (wait for a whole batch before submitting more) is not supported; "
+            "tierflow submits the next request as each one completes, as true does");
+    }
   }
   if (j.contains("io")) {
     const nlohmann::json& io = j["io"];

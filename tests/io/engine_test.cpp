@@ -330,6 +330,20 @@ TEST(EngineConfig, SnippetRoundTripsAndReadsDeepSpeedKeys) {
   EXPECT_THROW(read_config("/nonexistent/tierflow.json"), user_error);
 }
 
+// The engine refills its queue as each request completes; DeepSpeed's
+// overlap_events: false (lockstep batches) is refused, never run as true.
+TEST(EngineConfig, OverlapEventsFalseIsRefusedNamingTheKey) {
+  EXPECT_NO_THROW(parse_config(R"({"aio": {"overlap_events": true}})"));
+  for (const char* text : {R"({"aio": {"overlap_events": false}})", R"({"aio": {"overlap_events": 0}})"}) {
+    try {
+      parse_config(text);
+      ADD_FAILURE() << "accepted " << text;
+    } catch (const user_error& e) {
+      EXPECT_NE(std::string(e.what()).find("aio.overlap_events"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(EngineConfig, BadValuesAreUserErrors) {
   EXPECT_THROW(make_engine({.queue_depth = 0}), user_error);
   EXPECT_THROW(make_engine({.block_size = 4097}), user_error);

@@ -163,7 +163,9 @@ std::unique_ptr<engine> make_engine(const engine_config& config = {});
 // object whose "aio" section has DeepSpeed's keys (block_size, queue_depth,
 // intra_op_parallelism, single_submit, overlap_events) and whose "io" section
 // has tierflow's own (backend, sqpoll, submit_batch). A whole DeepSpeed config
-// also reads (single_submit: true means submit_batch 1).
+// also reads (single_submit: true means submit_batch 1). overlap_events is
+// always true: the engine submits a request as each one completes, and
+// parse_config refuses false.
 std::string config_snippet(const engine_config& config);
 // Parses a snippet (text); keys absent keep `base`'s values. Throws user_error
 // naming the bad key.
