@@ -46,17 +46,29 @@ uring_capabilities probe_uring_uncached() {
   caps.setup_flags["sqpoll"] = try_setup(IORING_SETUP_SQPOLL) == 0;
   caps.setup_flags["submit_all"] = try_setup(IORING_SETUP_SUBMIT_ALL) == 0;
 
-  if (io_uring_probe* probe = io_uring_get_probe()) {
-    const std::pair<const char*, int> ops[] = {
-        {"read", IORING_OP_READ},           {"write", IORING_OP_WRITE},
-        {"read_fixed", IORING_OP_READ_FIXED}, {"write_fixed", IORING_OP_WRITE_FIXED},
-        {"readv", IORING_OP_READV},         {"writev", IORING_OP_WRITEV},
-        {"fsync", IORING_OP_FSYNC},         {"fallocate", IORING_OP_FALLOCATE},
-        {"openat", IORING_OP_OPENAT},       {"close", IORING_OP_CLOSE},
-        {"files_update", IORING_OP_FILES_UPDATE}};
-    for (auto [name, op] : ops) caps.opcodes[name] = io_uring_opcode_supported(probe, op) != 0;
-    io_uring_free_probe(probe);
+  // Exactly the opcodes the engine prepares: READ and WRITE (unregistered
+  // buffers, and the wake eventfd's read), READ_FIXED and WRITE_FIXED
+  // (registered buffers). A ring lacking one would fail requests, so it
+  // counts as unavailable and automatic falls back to the thread pool.
+  io_uring_probe* probe = io_uring_get_probe();
+  if (probe == nullptr) {
+    caps.available = false;
+    caps.reason = "io_uring cannot list its opcodes (IORING_REGISTER_PROBE; kernels before 5.6 lack IORING_OP_READ)";
+    return caps;
   }
+  const std::pair<const char*, int> ops[] = {{"read", IORING_OP_READ},
+                                             {"write", IORING_OP_WRITE},
+                                             {"read_fixed", IORING_OP_READ_FIXED},
+                                             {"write_fixed", IORING_OP_WRITE_FIXED}};
+  for (auto [name, op] : ops) {
+    const bool supported = io_uring_opcode_supported(probe, op) != 0;
+    caps.opcodes[name] = supported;
+    if (!supported && caps.available) {
+      caps.available = false;
+      caps.reason = std::string("io_uring without the ") + name + " opcode, which the engine submits";
+    }
+  }
+  io_uring_free_probe(probe);
 
   // Registration: one ring, one page-aligned buffer, one file descriptor.
   io_uring ring;

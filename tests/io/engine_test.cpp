@@ -18,6 +18,7 @@
 #include "tierflow/io/aligned_buffer.hpp"
 #include "tierflow/io/engine.hpp"
 #include "tierflow/io/file.hpp"
+#include "tierflow/io/probe.hpp"
 
 namespace tierflow::io {
 namespace {
@@ -328,6 +329,19 @@ TEST(EngineConfig, SnippetRoundTripsAndReadsDeepSpeedKeys) {
   EXPECT_THROW(parse_config(R"({"aio": {"queue_depth": "deep"}})"), user_error);
   EXPECT_THROW(parse_config("not json"), user_error);
   EXPECT_THROW(read_config("/nonexistent/tierflow.json"), user_error);
+}
+
+// The probe reports the opcodes the uring backend submits, no others, and
+// io_uring counts as available only when the kernel has all of them.
+TEST(UringProbe, ListsTheOpcodesTheEngineSubmits) {
+  const uring_capabilities& caps = probe_uring();
+  if (!caps.available) GTEST_SKIP() << "io_uring unavailable here: " << caps.reason;
+  std::vector<std::string> names;
+  for (const auto& [name, supported] : caps.opcodes) {
+    names.push_back(name);
+    EXPECT_TRUE(supported) << name;
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"read", "read_fixed", "write", "write_fixed"}));
 }
 
 // The engine refills its queue as each request completes; DeepSpeed's

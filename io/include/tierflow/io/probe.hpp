@@ -9,14 +9,14 @@
 
 namespace tierflow::io {
 
-// io_uring as this process can use it: a seccomp filter, an old kernel or
-// kernel.io_uring_disabled make it unavailable, and `reason` says which error
-// the set-up returned.
+// io_uring as this process can use it: a seccomp filter, an old kernel,
+// kernel.io_uring_disabled or a missing opcode the engine submits make it
+// unavailable, and `reason` says which.
 struct uring_capabilities {
   bool available = false;
   std::string reason;                  // empty when available
   std::map<std::string, bool> setup_flags;  // "single_issuer", "defer_taskrun", "coop_taskrun", "sqpoll", ...
-  std::map<std::string, bool> opcodes;      // "read", "write", "read_fixed", "write_fixed", "fsync", ...
+  std::map<std::string, bool> opcodes;      // the engine's: "read", "write", "read_fixed", "write_fixed"
   bool register_buffers = false;       // io_uring_register_buffers works on pinned-size buffers
   bool register_files = false;         // io_uring_register_files works
 };
