@@ -2,9 +2,11 @@
 // over the same gradients.
 #include "tierflow/core/zenflow/engine.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <random>
+#include <utility>
 
 #include <gtest/gtest.h>
 
@@ -16,24 +18,32 @@
 namespace tierflow::zenflow {
 namespace {
 
-// Adam in fp32, one element at a time: the same arithmetic on either side,
-// so exact agreement is the expected result, not a tolerance.
+constexpr float beta1 = 0.9f, beta2 = 0.999f;
+
+// Adam in fp32 over `n` elements at step `step`: the same arithmetic on
+// either side and in the sequential reference, so exact agreement is the
+// expected result, not a tolerance.
+void adam_math(float* p, float* m, float* v, const float* grad, std::size_t n, std::int64_t step) {
+  const float lr = 1e-2f, eps = 1e-8f;
+  const float c1 = 1.0f - std::pow(beta1, static_cast<float>(step));
+  const float c2 = std::sqrt(1.0f - std::pow(beta2, static_cast<float>(step)));
+  for (std::size_t i = 0; i < n; ++i) {
+    const float g = grad[i];
+    m[i] = beta1 * m[i] + (1 - beta1) * g;
+    v[i] = beta2 * v[i] + (1 - beta2) * g * g;
+    p[i] -= lr / c1 * m[i] / (std::sqrt(v[i]) / c2 + eps);
+  }
+}
+
 class adam_rule final : public update_rule {
  public:
   granularity unit(std::size_t) const noexcept override { return granularity::columns; }
   std::size_t state_count() const noexcept override { return 2; }
   void apply(const update_args& a) override {
     ++calls[a.where == side::device ? 0 : 1];
-    const float b1 = 0.9f, b2 = 0.999f, lr = 1e-2f, eps = 1e-8f;
-    const float c1 = 1.0f - std::pow(b1, static_cast<float>(a.step));
-    const float c2 = std::sqrt(1.0f - std::pow(b2, static_cast<float>(a.step)));
-    for (std::size_t i = 0; i < a.param.size(); ++i) {
-      const float g = a.grad[i];
-      a.state0[i] = b1 * a.state0[i] + (1 - b1) * g;
-      a.state1[i] = b2 * a.state1[i] + (1 - b2) * g * g;
-      a.param[i] -= lr / c1 * a.state0[i] / (std::sqrt(a.state1[i]) / c2 + eps);
-    }
+    adam_math(a.param.data(), a.state0.data(), a.state1.data(), a.grad.data(), a.param.size(), a.step);
   }
+  void rebase_state(const crossing_args& a) override { rebase_adam_moments(a, beta1, beta2); }
   // Atomic: a test may share one rule between engines whose CPU steps overlap.
   std::atomic<int> calls[2] = {0, 0};
 };
@@ -190,6 +200,225 @@ void expect_identical(const std::vector<std::vector<float>>& a, const std::vecto
     ASSERT_EQ(a[w].size(), b[w].size());
     for (std::size_t i = 0; i < a[w].size(); ++i)
       ASSERT_EQ(a[w][i], b[w][i]) << "step " << step << " weight " << w << " element " << i;
+  }
+}
+
+// ZenFlow written out plainly, one step after another, for fixed update and
+// select intervals: what the engine must compute, through refreshes, with or
+// without overlap. It shares only the Adam arithmetic (adam_math) and the
+// gradients with the engine's tests; scheduling, selection, accumulation and
+// the crossing of columns are its own.
+//
+// Every column's master value and moments live in one place whichever side
+// owns it; `compute` is what forward reads. The device counts its steps
+// (one a step), the host its windows; a column's moments crossing sides are
+// rescaled so that Adam's bias-corrected moments stay what they were.
+struct sequential_zenflow {
+  std::vector<weight_shape> weights = model();
+  std::uint64_t update_interval, select_interval, warm;
+  double topk;
+  bool overlap;
+  std::vector<std::vector<float>> master, m, v, sum, compute;
+  std::vector<std::vector<bool>> on_device;
+  std::vector<std::pair<std::size_t, std::uint32_t>> staged;  // (weight, column) whose compute copy lags a window
+  std::int64_t host_count = 0;
+  std::uint64_t window_steps = 0;
+  bool selected = false;
+  std::uint64_t crossings = 0;  // columns that changed sides at a refresh (not the first selection)
+  std::vector<std::vector<std::vector<float>>> params;  // [step][weight]: compute after each step
+
+  sequential_zenflow(double topk_, std::uint64_t update, std::uint64_t select, bool overlap_, std::uint64_t warm_)
+      : update_interval(update), select_interval(select), warm(warm_), topk(topk_), overlap(overlap_) {
+    for (std::size_t w = 0; w < weights.size(); ++w) {
+      const std::size_t n = weights[w].elements();
+      master.push_back(initial(w, n));
+      compute.push_back(master.back());
+      m.emplace_back(n, 0.0f);
+      v.emplace_back(n, 0.0f);
+      sum.emplace_back(n, 0.0f);
+      on_device.emplace_back(weights[w].cols, !weights[w].matrix());
+    }
+  }
+  float* at(std::vector<std::vector<float>>& x, std::size_t w, std::uint32_t c) {
+    return x[w].data() + c * weights[w].rows;
+  }
+  void adam_column(std::size_t w, std::uint32_t c, const float* grad, std::int64_t step) {
+    adam_math(at(master, w, c), at(m, w, c), at(v, w, c), grad, weights[w].rows, step);
+  }
+  void rescale(std::size_t w, std::uint32_t c, std::int64_t from, std::int64_t to) {
+    if (from == 0 || from == to) return;
+    auto ratio = [&](float beta) {
+      const double b = beta;
+      return static_cast<float>((1 - std::pow(b, static_cast<double>(to))) /
+                                (1 - std::pow(b, static_cast<double>(from))));
+    };
+    const float f1 = ratio(beta1), f2 = ratio(beta2);
+    for (std::uint64_t r = 0; r < weights[w].rows; ++r) at(m, w, c)[r] *= f1, at(v, w, c)[r] *= f2;
+  }
+  // The window's mean gradient of one host column, applied at `step`; the sum is consumed.
+  void host_update(std::size_t w, std::uint32_t c, std::int64_t step) {
+    float* s = at(sum, w, c);
+    const float scale = 1.0f / static_cast<float>(window_steps);
+    if (window_steps > 1)
+      for (std::uint64_t r = 0; r < weights[w].rows; ++r) s[r] *= scale;
+    adam_column(w, c, s, step);
+    std::fill_n(s, weights[w].rows, 0.0f);
+  }
+  void show(std::size_t w, std::uint32_t c) { std::copy_n(at(master, w, c), weights[w].rows, at(compute, w, c)); }
+
+  // The top topk of each matrix's columns by Σ|g| of this step's gradient,
+  // ties to the lower column; `device_count` is the device's steps so far.
+  void refresh(const std::vector<std::vector<float>>& g, std::int64_t device_count, bool first) {
+    for (std::size_t w = 0; w < weights.size(); ++w) {
+      if (!weights[w].matrix()) continue;
+      const std::uint64_t rows = weights[w].rows, cols = weights[w].cols;
+      std::vector<std::pair<float, std::uint32_t>> score;
+      for (std::uint32_t c = 0; c < cols; ++c) {
+        double l1 = 0;
+        for (std::uint64_t r = 0; r < rows; ++r) l1 += std::fabs(static_cast<double>(g[w][c * rows + r]));
+        score.push_back({static_cast<float>(l1), c});
+      }
+      std::sort(score.begin(), score.end(),
+                [](auto a, auto b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
+      std::vector<bool> next(cols, false);
+      const auto keep = static_cast<std::size_t>(std::ceil(topk * static_cast<double>(cols) - 1e-9));
+      for (std::size_t i = 0; i < std::max<std::size_t>(1, keep); ++i) next[score[i].second] = true;
+      for (std::uint32_t c = 0; c < cols; ++c) {
+        if (next[c] && !on_device[w][c]) {  // entering: this window's gradient first, on the host
+          std::int64_t count = host_count;
+          if (window_steps > 0) {
+            count = host_count + 1;
+            host_update(w, c, count);
+          }
+          rescale(w, c, count, device_count);
+          show(w, c);
+        } else if (!next[c] && on_device[w][c]) {  // leaving: next updated by the next window's CPU step
+          rescale(w, c, device_count, host_count + 1);
+        }
+        if (!first && next[c] != on_device[w][c]) ++crossings;
+      }
+      on_device[w] = next;
+    }
+  }
+
+  void step(std::uint64_t s) {
+    std::vector<std::vector<float>> g;
+    for (std::size_t w = 0; w < weights.size(); ++w) {
+      g.emplace_back(weights[w].elements());
+      fill_gradient(g.back(), w, s);
+    }
+    const bool warming = s < warm;
+    if (!warming && !selected) {
+      refresh(g, static_cast<std::int64_t>(s), true);
+      selected = true;
+    }
+    // The device: its columns, every step, at its own count.
+    for (std::size_t w = 0; w < weights.size(); ++w)
+      for (std::uint32_t c = 0; c < weights[w].cols; ++c)
+        if (on_device[w][c]) {
+          adam_column(w, c, &g[w][c * weights[w].rows], static_cast<std::int64_t>(s) + 1);
+          show(w, c);
+        }
+    // The host: its columns' gradients, summed over the window.
+    for (std::size_t w = 0; w < weights.size(); ++w)
+      for (std::uint64_t i = 0; i < weights[w].elements(); ++i)
+        if (!on_device[w][i / weights[w].rows]) sum[w][i] += g[w][i];
+    ++window_steps;
+    const std::uint64_t since = s + 1 - warm;
+    const bool boundary = warming || since % update_interval == 0;
+    if (boundary) close(g, !warming && since % select_interval == 0, static_cast<std::int64_t>(s) + 1, !warming);
+    snapshot();
+  }
+  // The end of a window: the previous window's result becomes visible, the
+  // selection moves (if due), this window's CPU step runs.
+  void close(const std::vector<std::vector<float>>& g, bool select, std::int64_t device_count, bool may_overlap) {
+    for (const auto& [w, c] : staged) show(w, c);
+    staged.clear();
+    std::vector<std::vector<bool>> host_before(weights.size());
+    for (std::size_t w = 0; w < weights.size(); ++w) {
+      host_before[w].resize(weights[w].cols);
+      for (std::uint32_t c = 0; c < weights[w].cols; ++c) host_before[w][c] = !on_device[w][c];
+    }
+    if (select) refresh(g, device_count, false);
+    ++host_count;
+    for (std::size_t w = 0; w < weights.size(); ++w)
+      for (std::uint32_t c = 0; c < weights[w].cols; ++c)
+        if (host_before[w][c] && !on_device[w][c]) {
+          host_update(w, c, host_count);
+          if (overlap && may_overlap) staged.push_back({w, c});
+          else show(w, c);
+        }
+    window_steps = 0;
+  }
+  void finish() {
+    for (const auto& [w, c] : staged) show(w, c);
+    staged.clear();
+    if (window_steps > 0) {
+      ++host_count;
+      for (std::size_t w = 0; w < weights.size(); ++w)
+        for (std::uint32_t c = 0; c < weights[w].cols; ++c)
+          if (!on_device[w][c]) {
+            host_update(w, c, host_count);
+            show(w, c);
+          }
+      window_steps = 0;
+    }
+    snapshot();
+  }
+  void snapshot() { params.push_back(compute); }
+};
+
+// The engine against the plain sequential ZenFlow above, element by element
+// after every step and after finish(): windows of 2 and 4 steps, refreshes
+// every few windows (columns cross both ways), with and without overlap and
+// warm-up. A column's moments crossing sides without their rebasing onto the
+// other side's step count would be off by the ratio of the bias corrections.
+TEST(ZenflowEngine, MatchesAPlainSequentialZenflowThroughRefreshesWithOverlap) {
+  const std::uint64_t steps = 38;  // ends inside a window: finish() closes it
+  struct schedule_case {
+    std::uint64_t update, select;
+  };
+  for (const schedule_case sc : {schedule_case{4, 8}, schedule_case{2, 6}}) {
+    for (const bool overlap : {false, true}) {
+      for (const std::uint64_t warm : {0u, 2u}) {
+        SCOPED_TRACE(testing::Message() << "update_interval " << sc.update << ", select_interval " << sc.select
+                                        << ", overlap " << overlap << ", warm-up " << warm);
+        adam_rule rule;
+        sequential_zenflow ref(0.25, sc.update, sc.select, overlap, warm);
+        zenflow_run z(step_config(0.25, sc.update, sc.select, overlap, warm), rule);
+        for (std::uint64_t s = 0; s < steps; ++s) ref.step(s);
+        z.train(steps);
+        for (std::uint64_t s = 0; s < steps; ++s) expect_identical(z.params[s], ref.params[s], s);
+        z.eng.finish();
+        z.snapshot();
+        ref.finish();
+        expect_identical(z.params.back(), ref.params.back(), steps);
+        EXPECT_GT(ref.crossings, 10u);  // the refreshes moved columns both ways
+        EXPECT_GE(z.eng.stats().refreshes, (steps - warm) / sc.select);
+      }
+    }
+  }
+}
+
+// Rebased moments give the bias-corrected values they had: what Adam divides
+// by is the same on the side a column enters as on the side it left.
+TEST(ZenflowEngine, RebasedAdamMomentsKeepTheirBiasCorrectedValues) {
+  std::vector<float> m = {0.5f, -2.0f, 1e-3f}, v = {0.25f, 4.0f, 1e-6f};
+  const auto m0 = m, v0 = v;
+  crossing_args a;
+  a.columns = 1;
+  a.state0 = m;
+  a.state1 = v;
+  a.from_step = 101;  // a host column after 101 windows ...
+  a.to_step = 404;    // ... entering a device that has run 404 steps
+  rebase_adam_moments(a, beta1, beta2);
+  for (std::size_t i = 0; i < m.size(); ++i) {
+    auto corrected = [](float x, float beta, std::int64_t t) {
+      return static_cast<double>(x) / (1 - std::pow(static_cast<double>(beta), static_cast<double>(t)));
+    };
+    EXPECT_NEAR(corrected(m[i], beta1, 404), corrected(m0[i], beta1, 101), 1e-6 * std::fabs(corrected(m0[i], beta1, 101)));
+    EXPECT_NEAR(corrected(v[i], beta2, 404), corrected(v0[i], beta2, 101), 1e-6 * std::fabs(corrected(v0[i], beta2, 101)));
+    EXPECT_GT(v[i], 3.0f * v0[i]);  // v's correction at 101 steps is (1 - 0.999^101) ≈ 0.096, at 404 ≈ 0.33
   }
 }
 

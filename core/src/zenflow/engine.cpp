@@ -1,6 +1,7 @@
 #include "tierflow/core/zenflow/engine.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "tierflow/core/assert.hpp"
@@ -249,18 +250,58 @@ void engine::refresh_selection(window& win) {
 
   // Columns entering the device first get this window's gradient applied on
   // the host (at the step count the window's CPU step will use), so nothing
-  // accumulated is lost; then master values and state cross over.
+  // accumulated is lost; then master values and state cross over, the state
+  // rebased to the step count of the side it enters: the device's steps so
+  // far, or the host's once this window's CPU step has run (the first step
+  // that updates a leaving column is the next window's).
   const std::int64_t window_step = host_step_ + 1;
+  const std::int64_t device_count = static_cast<std::int64_t>(step_) + (device_updated_ ? 1 : 0);
   host_.for_each(changed, [&](std::size_t w, const host_buffers& buffers) {
     const selection_change& change = changes[w];
+    std::int64_t host_count = host_step_;
     if (win.steps > 0 && !change.entering.empty()) {
       update_host_columns(win, w, runs_of(change.entering), buffers, window_step);
+      host_count = window_step;
     }
+    rebase_state(w, change.entering, buffers, host_count, device_count);
     device_.hand_over(w, splits_[w].selected(), change, buffers);
+    rebase_state(w, change.leaving, buffers, device_count, window_step);
   });
   for (const std::size_t w : matrices_) win.runs[w] = subtract(win.runs[w], changes[w].entering);
   win.runs_fixed = true;
   stats_.refreshes += 1;
+}
+
+void engine::rebase_state(std::size_t w, std::span<const std::uint32_t> columns, const host_buffers& buffers,
+                          std::int64_t from_step, std::int64_t to_step) {
+  // A state never updated is zero at any count; equal counts need nothing.
+  if (columns.empty() || from_step == 0 || from_step == to_step) return;
+  const weight_shape& shape = weights_[w];
+  const std::uint64_t rows = shape.rows;
+  for (const column_run r : runs_of(columns)) {
+    const std::uint64_t begin = r.begin * rows, n = (r.end - r.begin) * rows;
+    crossing_args args;
+    args.weight = &shape;
+    args.weight_index = w;
+    args.first_column = r.begin;
+    args.columns = r.end - r.begin;
+    args.state0 = buffers.state0.subspan(begin, n);
+    if (!buffers.state1.empty()) args.state1 = buffers.state1.subspan(begin, n);
+    args.from_step = from_step;
+    args.to_step = to_step;
+    rule_.rebase_state(args);
+  }
+}
+
+void rebase_adam_moments(const crossing_args& a, double beta1, double beta2) {
+  TF_ASSERT(a.from_step >= 1 && a.to_step >= 1, "rebase_adam_moments: step counts are 1-based");
+  auto factor = [&](double beta) {
+    return static_cast<float>((1.0 - std::pow(beta, static_cast<double>(a.to_step))) /
+                              (1.0 - std::pow(beta, static_cast<double>(a.from_step))));
+  };
+  const float f0 = factor(beta1), f1 = factor(beta2);
+  for (float& m : a.state0) m *= f0;
+  for (float& v : a.state1) v *= f1;
 }
 
 void engine::close_window() {

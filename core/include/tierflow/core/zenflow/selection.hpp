@@ -21,10 +21,12 @@ std::size_t columns_to_keep(std::size_t columns, double topk_ratio);
 // looked at on the device, not hidden in the host's window).
 std::vector<std::uint32_t> top_columns(std::span<const float> importance, std::size_t k);
 
-// The columns that change hands at a refresh.
+// The columns that change hands at a refresh. Either way a column takes its
+// master value and optimizer state with it; the engine rebases the state to
+// the step count of the side it enters (update_rule::rebase_state).
 struct selection_change {
-  std::vector<std::uint32_t> entering;  // host → device: device moments start from zero
-  std::vector<std::uint32_t> leaving;   // device → host: the host master copy takes the device's values
+  std::vector<std::uint32_t> entering;  // host → device
+  std::vector<std::uint32_t> leaving;   // device → host
 };
 
 // One weight's split of its columns between the device and the host. Every
