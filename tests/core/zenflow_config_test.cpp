@@ -26,7 +26,6 @@ TEST(ZenflowConfig, DefaultsMatchDeepSpeed) {
   EXPECT_FALSE(c.select_interval);
   EXPECT_FALSE(c.update_interval);
   EXPECT_FALSE(c.overlap_step);
-  EXPECT_FALSE(c.offload);
   EXPECT_DOUBLE_EQ(c.auto_ratio, 0.99);
   EXPECT_EQ(c.full_warm_up_rounds, 0u);
   EXPECT_DOUBLE_EQ(c.pt_reserved_cores_perc, 0.5);
@@ -60,6 +59,11 @@ TEST(ZenflowConfig, RefusesBadValuesNamingTheKey) {
   EXPECT_NE(refusal({{"select_strategy", "step"}}).find("select_interval"), std::string::npos);
   EXPECT_NE(refusal({{"pt_reserved_cores_perc", 1.0}}).find("[0, 1)"), std::string::npos);
   EXPECT_NE(refusal(json::array()).find("expected an object"), std::string::npos);
+  // offload: DeepSpeed's default is accepted, true (moments in pinned host
+  // memory) is refused rather than ignored.
+  EXPECT_EQ(refusal({{"offload", false}}), "");
+  EXPECT_NE(refusal({{"offload", true}}).find("zenflow.offload: true is not supported"), std::string::npos);
+  EXPECT_NE(refusal({{"offload", 1}}).find("not true or false"), std::string::npos);
 }
 
 TEST(ZenflowSchedule, StepStrategyBoundaries) {

@@ -62,7 +62,15 @@ config from_json(const json& z) {
     } else if (key == "select_interval") c.select_interval = interval(value, key);
     else if (key == "update_interval") c.update_interval = interval(value, key);
     else if (key == "overlap_step") c.overlap_step = boolean(value, key);
-    else if (key == "offload") c.offload = boolean(value, key);
+    else if (key == "offload") {
+      // DeepSpeed's default (false) is accepted so its configs carry over;
+      // true would have the selected columns' moments cross PCIe twice in
+      // every device update, and nothing here does that.
+      if (boolean(value, key))
+        refuse(key, value,
+               "is not supported: the device keeps the selected columns' master values and moments in its own "
+               "memory (12 bytes per element of the topk_ratio share); lower topk_ratio for less");
+    }
     else if (key == "auto_ratio") c.auto_ratio = number(value, key);
     else if (key == "full_warm_up_rounds") c.full_warm_up_rounds = count(value, key);
     else if (key == "pt_reserved_cores_perc") c.pt_reserved_cores_perc = number(value, key);

@@ -1,6 +1,6 @@
 // ZenFlow's settings, read from the same keys as DeepSpeed's
 // `zero_optimization.zenflow` section, and the schedule they resolve to.
-// See ZENFLOW.md for the method; this header only fixes what the keys mean.
+// See docs/zenflow.md for the method; this header only fixes what the keys mean.
 #pragma once
 
 #include <cstdint>
@@ -26,7 +26,6 @@ struct config {
   std::optional<std::uint64_t> select_interval;  // nullopt: "auto"
   std::optional<std::uint64_t> update_interval;  // nullopt: "auto" (from gradient mass)
   bool overlap_step = false;  // run the CPU step asynchronously, overlapped with the next steps
-  bool offload = false;       // keep the selected columns' moments in pinned host memory
   double auto_ratio = 0.99;   // share of weights whose unimportant mass must catch up, in (0, 1]
   std::uint64_t full_warm_up_rounds = 0;
   double pt_reserved_cores_perc = 0.5;  // share of cores left to the trainer, in [0, 1)
@@ -36,7 +35,8 @@ struct config {
 
 // Reads a `zenflow` object with DeepSpeed's keys (unknown keys are refused, so
 // a typo cannot silently fall back to a default). Throws user_error naming the
-// key and the value for anything out of range.
+// key and the value for anything out of range. "offload" is accepted only as
+// false: the device-side state always stays in device memory.
 config from_json(const nlohmann::json& zenflow);
 
 // Throws user_error when a value is out of range or the combination is
