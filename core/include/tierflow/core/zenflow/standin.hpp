@@ -1,6 +1,8 @@
 // ZenFlow's device side and host state in plain host memory: the device
-// stand-in that lets the engine, its tests and the bindings run for real
-// without a GPU, and the simplest host_state.
+// stand-in that lets the engine and its tests (the engine's, and the
+// convergence test's against AdamW) run for real without a GPU, and the
+// simplest host_state. bench offload has its own simulated device; the CUDA
+// device is optim::cuda_zenflow_device.
 #pragma once
 
 #include <cstdint>
