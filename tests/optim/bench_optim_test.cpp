@@ -1,5 +1,9 @@
 // `tierflow bench optim` as a user runs it: the JSON it promises, and the exit
 // codes for bad values (1, one line) and bad command lines (2).
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -45,6 +49,57 @@ TEST(bench_optim, bf16_modes_and_muon) {
   r = run_cli({"bench", "optim", "--params", "64K", "--steps", "1"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("ratio to bound"), std::string::npos) << r.out;
+}
+
+// The bytes each parameter moves, in closed form for every dtype combination,
+// and the bound's figures derived from what the JSON itself reports: the
+// plain loop moves exactly the step's streams, memcpy the same bytes (read
+// plus write), and the ratio is taken against the higher of the two.
+TEST(bench_optim, bytes_per_param_and_bounds_in_closed_form) {
+  struct combo {
+    const char *param, *grad, *state;
+    bool check_finite;
+    double bytes;  // p read + write (8), g (read twice with the check), m and v read + write, copy
+  };
+  const std::size_t n = 256 << 10;
+  for (const combo& c : {combo{"fp32", "fp32", "fp32", false, 8 + 4 + 16},
+                         combo{"bf16", "bf16", "fp32", false, 8 + 2 + 16 + 2},
+                         combo{"bf16", "bf16", "bf16", false, 8 + 2 + 8 + 2},
+                         combo{"fp16", "fp16", "fp32", true, 8 + 2 * 2 + 16 + 2},
+                         combo{"bf16", "fp32", "bf16", false, 8 + 4 + 8 + 2},
+                         combo{"fp32", "fp32", "bf16", true, 8 + 2 * 4 + 8}}) {
+    std::vector<std::string> args = {"bench", "optim", "--params", "256K", "--steps", "1", "--param-dtype", c.param,
+                                     "--grad-dtype", c.grad, "--state-dtype", c.state, "--json"};
+    if (c.check_finite) args.push_back("--check-finite");
+    const auto r = run_cli(args);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    const std::string what = std::string(c.param) + "/" + c.grad + "/" + c.state + (c.check_finite ? "+check" : "");
+    EXPECT_EQ(j["bytes_per_param"].get<double>(), c.bytes) << what;
+    EXPECT_EQ(j["bound_stream_bytes_per_param"].get<double>(), c.bytes) << what;
+    const auto copy_length = (static_cast<std::size_t>(c.bytes) * n / 2 + 63) / 64 * 64;
+    EXPECT_EQ(j["bound_memcpy_bytes"].get<std::size_t>(), 2 * copy_length) << what;
+
+    const double step = j["seconds_per_step"], stream_s = j["bound_stream_seconds_per_pass"],
+                 memcpy_s = j["bound_memcpy_seconds_per_pass"];
+    const double stream_rate = j["bound_stream_bytes_per_second"], memcpy_rate = j["bound_memcpy_bytes_per_second"];
+    EXPECT_DOUBLE_EQ(j["bytes_per_second"].get<double>(), c.bytes * static_cast<double>(n) / step) << what;
+    EXPECT_DOUBLE_EQ(stream_rate, c.bytes * static_cast<double>(n) / stream_s) << what;
+    EXPECT_DOUBLE_EQ(memcpy_rate, static_cast<double>(2 * copy_length) / memcpy_s) << what;
+    EXPECT_DOUBLE_EQ(j["bound_bytes_per_second"].get<double>(), std::max(stream_rate, memcpy_rate)) << what;
+    EXPECT_EQ(j["bound"], stream_rate >= memcpy_rate ? "stream" : "memcpy") << what;
+    EXPECT_DOUBLE_EQ(j["ratio_to_bound"].get<double>(),
+                     j["bytes_per_second"].get<double>() / std::max(stream_rate, memcpy_rate))
+        << what;
+  }
+}
+
+TEST(bench_optim, human_output_names_both_bounds) {
+  const auto r = run_cli({"bench", "optim", "--params", "64K", "--steps", "1", "--threads", "2"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("bound: plain loop"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("bound: memcpy"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("the higher"), std::string::npos) << r.out;
 }
 
 TEST(bench_optim, bad_values_exit_1_with_one_line) {
