@@ -5,12 +5,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -149,6 +151,27 @@ void lay_out(io::engine& eng, io::file& f, std::uint64_t size, io_pattern patter
   f.sync();
 }
 
+// Opens the run's file, creating it when missing. ENOENT from the create has
+// two causes a user acts on differently, and strerror names neither: the
+// directory is missing, or it exists on a filesystem that makes no files.
+io::file open_run_file(const io_job& job) {
+  try {
+    return io::file::open(job.path, {.creation = io::creation::if_missing,
+                                     .direct = job.buffered ? io::direct_io::off : io::direct_io::prefer});
+  } catch (const error& e) {
+    if (e.errnum() != ENOENT) throw;
+    const auto slash = job.path.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : job.path.substr(0, slash);
+    struct stat st {};
+    if (::stat(dir.c_str(), &st) != 0) {
+      throw user_error("--path " + job.path + ": its directory " + dir + " does not exist");
+    }
+    if (!S_ISDIR(st.st_mode)) throw;
+    throw user_error("--path " + job.path + ": cannot be created: " + dir +
+                     " is on a filesystem that does not let files be created");
+  }
+}
+
 }  // namespace
 
 const char* to_string(io_pattern p) noexcept {
@@ -183,8 +206,7 @@ io_result run_io_job(const io_job& job) {
   }
 
   std::unique_ptr<io::engine> eng = io::make_engine(job.engine);
-  io::file f = io::file::open(job.path, {.creation = io::creation::if_missing,
-                                         .direct = job.buffered ? io::direct_io::off : io::direct_io::prefer});
+  io::file f = open_run_file(job);
   lay_out(*eng, f, job.size, job.pattern);
 
   const unsigned slots = job.engine.queue_depth * job.engine.threads;

@@ -97,6 +97,28 @@ TEST(BenchIoCli, BadValuesAreOneLineAndExit1) {
   EXPECT_NE(is_dir.err.find("is a directory"), std::string::npos) << is_dir.err;
 }
 
+// A file that cannot be created: the one line says why (a missing directory,
+// or a filesystem that makes no files), never the bare "No such file or
+// directory" both return.
+TEST(BenchIoCli, UncreatableFileNamesTheCause) {
+  const auto missing = run_cli({"bench", "io", "--path", "/nonexistent-tierflow-dir/bench.dat", "--size", "1M"});
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_EQ(std::count(missing.err.begin(), missing.err.end(), '\n'), 1) << missing.err;
+  EXPECT_NE(missing.err.find("its directory /nonexistent-tierflow-dir does not exist"), std::string::npos)
+      << missing.err;
+
+  struct stat st {};
+  if (::stat("/proc/self", &st) != 0) GTEST_SKIP() << "no /proc here";
+  const auto proc = run_cli({"bench", "io", "--path", "/proc/tierflow-bench.dat", "--size", "1M"});
+  EXPECT_EQ(proc.exit_code, 1);
+  EXPECT_EQ(std::count(proc.err.begin(), proc.err.end(), '\n'), 1) << proc.err;
+  EXPECT_NE(proc.err.find("--path /proc/tierflow-bench.dat: cannot be created: /proc is on a filesystem that does "
+                          "not let files be created"),
+            std::string::npos)
+      << proc.err;
+  EXPECT_EQ(proc.err.find("No such file or directory"), std::string::npos) << proc.err;
+}
+
 TEST(BenchIoCli, UnknownPatternOrMissingPathIsAUsageError) {
   EXPECT_EQ(run_cli({"bench", "io", "--path", "/tmp/x", "--pattern", "sideways"}).exit_code, 2);
   EXPECT_EQ(run_cli({"bench", "io"}).exit_code, 2);
