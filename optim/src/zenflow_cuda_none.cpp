@@ -24,6 +24,11 @@ cuda_zenflow_traffic cuda_zenflow_device::traffic() const { no_cuda(); }
 void cuda_zenflow_device::column_importance(std::size_t, zenflow::importance_norm, std::span<float>) { no_cuda(); }
 void cuda_zenflow_device::update_owned(std::size_t, std::int64_t) { no_cuda(); }
 std::span<const float> cuda_zenflow_device::download_gradient(std::size_t) { no_cuda(); }
+void cuda_zenflow_device::gradients_ready(std::span<const void* const>) { no_cuda(); }
+void cuda_zenflow_device::gradients_ready() { no_cuda(); }
+void cuda_zenflow_device::accumulate_gradient(std::size_t, std::span<const zenflow::column_run>, std::span<float>) {
+  no_cuda();
+}
 void cuda_zenflow_device::stage_upload(std::size_t, std::span<const zenflow::column_run>, std::span<const float>) {
   no_cuda();
 }

@@ -1,6 +1,8 @@
 // ZenFlow's device side on CUDA. Everywhere: its per-element Adam (shared by
-// the kernel and the host) against adam_optimizer on every SIMD target, and
-// the constructor's refusals. With a GPU: the engine over cuda_zenflow_device
+// the kernel and the host) against adam_optimizer on every SIMD target, the
+// host half of its gradient path (widening and accumulation on several
+// threads against a scalar loop, the download slots' bookkeeping), and the
+// constructor's refusals. With a GPU: the engine over cuda_zenflow_device
 // against the engine over the host stand-in, with the same arithmetic on
 // both, step after step, through refreshes, with and without overlap.
 #include <algorithm>
@@ -17,6 +19,7 @@
 
 #include "../core/zenflow_test_support.hpp"
 #include "adam_element.hpp"
+#include "cuda/gradient_staging.hpp"
 #include "reference.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/zenflow/engine.hpp"
@@ -28,7 +31,12 @@
 #if TIERFLOW_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
+
 #include "tierflow/core/cuda_error.hpp"
+#include "tierflow/core/cuda_handles.hpp"
 #endif
 
 namespace tierflow::optim {
@@ -92,6 +100,126 @@ TEST(zenflow_cuda, adam_element_matches_adam_optimizer_on_every_simd_target) {
       }
     }
   }
+}
+
+// ---- the gradients' host half, on the CPU -------------------------------------------
+
+// Sizes around the tile (16 Ki elements) and the widening piece (2 Ki): none,
+// one, less than a vector, a tile and one, several tiles and a tail.
+constexpr std::size_t odd_sizes[] = {0, 1, 7, 2049, 16385, 3 * 16384 + 5};
+
+TEST(zenflow_cuda_host, widening_on_threads_matches_a_scalar_loop) {
+  for (const int threads : {1, 3}) {
+    for (const std::string& simd : simd_targets()) {
+      executor ex(threads, simd);
+      for (const dtype type : {dtype::fp32, dtype::bf16, dtype::fp16}) {
+        for (const std::size_t n : odd_sizes) {
+          test::typed_buffer src(type, test::normal_values(n, 7 + static_cast<unsigned>(n), 3.0f));
+          std::vector<float> got(n + 1, -1.0f);  // one past the end: must stay
+          detail::widen_gradient(ex, src.data(), type, got.data(), n);
+          for (std::size_t i = 0; i < n; ++i)
+            ASSERT_EQ(test::bits_of(got[i]), test::bits_of(src.at(i)))
+                << simd << ", " << threads << " threads, n " << n << ", element " << i;
+          ASSERT_EQ(got[n], -1.0f) << "written past the end, n " << n;
+        }
+      }
+    }
+  }
+}
+
+// The engine's window sum: += over the host's column runs only, the other
+// columns untouched, bit for bit the plain loop's result.
+TEST(zenflow_cuda_host, accumulation_over_runs_on_threads_matches_a_scalar_loop) {
+  struct shape {
+    std::uint64_t rows, cols;
+    std::vector<zenflow::column_run> runs;
+  };
+  const shape shapes[] = {
+      {1, 1, {{0, 1}}},
+      {7, 5, {{0, 2}, {3, 5}}},  // runs shorter than a vector
+      {2049, 9, {{1, 2}, {4, 8}}},  // runs of one piece and one element
+      {33, 1500, {{0, 400}, {401, 402}, {405, 1499}}},  // several tiles, a run across tile edges
+      {16385, 3, {{0, 3}}},  // one run, the whole weight
+  };
+  for (const int threads : {1, 3}) {
+    executor ex(threads);
+    for (const dtype type : {dtype::fp32, dtype::bf16, dtype::fp16}) {
+      for (const shape& sh : shapes) {
+        const std::size_t n = sh.rows * sh.cols;
+        test::typed_buffer g(type, test::normal_values(n, 11 + static_cast<unsigned>(n), 2.0f));
+        std::vector<float> sum = test::normal_values(n, 3, 1.0f), want = sum;
+        for (const zenflow::column_run r : sh.runs)
+          for (std::uint64_t k = r.begin * sh.rows; k < r.end * sh.rows; ++k) want[k] += g.at(k);
+        detail::accumulate_gradient(ex, g.data(), type, sh.runs, sh.rows, sum);
+        for (std::size_t k = 0; k < n; ++k)
+          ASSERT_EQ(test::bits_of(sum[k]), test::bits_of(want[k]))
+              << threads << " threads, " << sh.rows << "x" << sh.cols << ", element " << k;
+      }
+    }
+  }
+}
+
+// The pinned slots: downloads start in the plan's order as slots free up, a
+// request out of the plan replans without losing or repeating a weight, and
+// a dropped weight gives its slot back.
+TEST(zenflow_cuda_host, download_ring_keeps_the_plan_and_the_slots) {
+  using issued = detail::download_ring::issued;
+  detail::download_ring ring(2);
+  const auto issue_all = [&] {
+    std::vector<std::pair<std::size_t, unsigned>> out;
+    while (const std::optional<issued> i = ring.issue()) out.emplace_back(i->weight, i->slot);
+    return out;
+  };
+  using pairs = std::vector<std::pair<std::size_t, unsigned>>;
+
+  EXPECT_FALSE(ring.begin({0, 2, 3, 5}));
+  EXPECT_EQ(issue_all(), (pairs{{0, 0}, {2, 1}}));  // two slots: two downloads ahead, no more
+  EXPECT_FALSE(ring.take(3).has_value());           // not yet down: a miss
+  ASSERT_EQ(ring.take(0), std::optional<unsigned>(0));
+  EXPECT_EQ(ring.held(), std::optional<unsigned>(0));
+  EXPECT_TRUE(issue_all().empty());  // slot 0 is still being read
+  ring.release(0);
+  EXPECT_FALSE(ring.held().has_value());
+  EXPECT_EQ(issue_all(), (pairs{{3, 0}}));  // the freed slot takes the next weight
+  ASSERT_EQ(ring.take(2), std::optional<unsigned>(1));
+  ring.release(1);
+  EXPECT_EQ(issue_all(), (pairs{{5, 1}}));
+
+  // Weight 5 asked first, then 3: both in flight, both found.
+  ASSERT_EQ(ring.take(5), std::optional<unsigned>(1));
+  ring.release(1);
+  ASSERT_EQ(ring.take(3), std::optional<unsigned>(0));
+  ring.release(0);
+  EXPECT_TRUE(issue_all().empty());  // the plan is done
+
+  // A new step whose first request is out of order (4 before 1): replanned
+  // from 4, then what was issued but not taken (1) and what was not issued (6, 7).
+  EXPECT_FALSE(ring.begin({1, 4, 6, 7}));
+  EXPECT_EQ(issue_all(), (pairs{{1, 0}, {4, 1}}));
+  ASSERT_EQ(ring.take(4), std::optional<unsigned>(1));
+  ring.release(1);
+  EXPECT_EQ(issue_all(), (pairs{{6, 1}}));
+  EXPECT_FALSE(ring.take(7).has_value());
+  ring.replan_from(7);
+  EXPECT_EQ(issue_all(), (pairs{{7, 0}, {1, 1}}));
+  ASSERT_EQ(ring.take(7), std::optional<unsigned>(0));
+  ring.release(0);
+  EXPECT_EQ(issue_all(), (pairs{{6, 0}}));
+
+  // A step that ends with a download nobody took says so, and frees it.
+  EXPECT_TRUE(ring.begin({2, 3}));
+  EXPECT_EQ(issue_all(), (pairs{{2, 0}, {3, 1}}));
+
+  // Dropping a weight in flight frees its slot for the next one; dropping
+  // one not yet issued removes it from the plan.
+  EXPECT_TRUE(ring.begin({0, 1, 2, 3}));  // 2 and 3 were never taken
+  EXPECT_EQ(issue_all(), (pairs{{0, 0}, {1, 1}}));
+  EXPECT_EQ(ring.drop(1), std::optional<unsigned>(1));
+  EXPECT_FALSE(ring.drop(2).has_value());
+  EXPECT_EQ(issue_all(), (pairs{{3, 1}}));
+  ASSERT_EQ(ring.take(0), std::optional<unsigned>(0));
+  ring.release(0);
+  EXPECT_TRUE(issue_all().empty());
 }
 
 // ---- the constructor ---------------------------------------------------------------
@@ -229,6 +357,37 @@ struct stream_deleter {
   void operator()(CUstream_st* s) const noexcept { (void)cudaStreamDestroy(s); }
 };
 
+// How the test trainer hands the device its gradients.
+enum class gradient_mode {
+  constructor,  // one buffer, the constructor's; no gradients_ready()
+  ready,        // one buffer, gradients_ready() each step
+  // Two buffers, gradients_ready(buffer t % 2): step t+1's gradient is
+  // written into the other buffer, and a "forward" that holds the trainer's
+  // stream until step() has returned is enqueued, before step(t) runs.
+  two_buffers_ahead,
+};
+
+// A host function on the trainer's stream that holds it until released,
+// for at most `limit`: what the next forward looks like to the device side.
+// If step() waited for the trainer's stream, it would return only after the
+// limit, and `timed_out` says so (a failure, not a hang).
+struct stream_hold {
+  std::atomic<bool> released{false};
+  std::atomic<bool> timed_out{false};
+  static constexpr auto limit = std::chrono::seconds(20);
+  static void CUDART_CB run(void* self) {
+    auto* h = static_cast<stream_hold*>(self);
+    const auto until = std::chrono::steady_clock::now() + limit;
+    while (!h->released.load(std::memory_order_acquire)) {
+      if (std::chrono::steady_clock::now() > until) {
+        h->timed_out = true;
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+};
+
 struct gpu_case {
   const char* name;
   zenflow::config config;
@@ -238,6 +397,7 @@ struct gpu_case {
   bool own_stream = false;   // a non-blocking stream of the trainer's, or the legacy default stream
   bool apply_early = false;  // apply the previous window before the step, as a trainer during backward
   std::uint64_t steps = 14;
+  gradient_mode gradients = gradient_mode::constructor;
 };
 
 // The two engines, fed the same gradients; after every step the GPU's compute
@@ -262,12 +422,17 @@ void run_against_standin(const gpu_case& gc) {
     own.reset(s);
   }
   const cudaStream_t stream = own.get();
-  std::vector<device_ptr> params, grads;
+  const bool two_buffers = gc.gradients == gradient_mode::two_buffers_ahead;
+  std::vector<device_ptr> params, grads[2];
+  std::vector<const void*> grad_pointers[2];
   std::vector<cuda_zenflow_weight> tensors;
   for (const auto& s : weights) {
     params.push_back(device_alloc(s.elements() * size_of(gc.compute)));
-    grads.push_back(device_alloc(s.elements() * size_of(gc.grad)));
-    tensors.push_back({params.back().get(), grads.back().get()});
+    for (int b = 0; b < (two_buffers ? 2 : 1); ++b) {
+      grads[b].push_back(device_alloc(s.elements() * size_of(gc.grad)));
+      grad_pointers[b].push_back(grads[b].back().get());
+    }
+    tensors.push_back({params.back().get(), grads[0].back().get()});
   }
   cuda_zenflow_options options;
   options.compute_type = gc.compute;
@@ -286,7 +451,27 @@ void run_against_standin(const gpu_case& gc) {
     std::copy(init.begin(), init.end(), host.buffers(w).param.begin());
   }
 
-  std::vector<test::typed_buffer> uploads;  // alive until the stream has read them
+  // Pinned, so that an upload queued behind a held stream is enqueued at
+  // once; per buffer, alive until the stream has read them (compare() waits).
+  std::vector<cuda_pinned_buffer> uploads[2];
+  std::vector<std::vector<float>> step_gradients[2];  // the fp32 values, for the stand-in
+  for (int b = 0; b < 2; ++b) {
+    uploads[b].resize(weights.size());
+    step_gradients[b].resize(weights.size());
+  }
+  // The backward of `step`: its gradients into buffer step % 2 (or 0).
+  const auto backward = [&](std::uint64_t step) {
+    const int b = two_buffers ? static_cast<int>(step % 2) : 0;
+    for (std::size_t w = 0; w < weights.size(); ++w) {
+      step_gradients[b][w] = gradient(weights[w], w, step, gc.config.topk_ratio, gc.grad);
+      test::typed_buffer typed(gc.grad, step_gradients[b][w]);
+      const std::size_t bytes = typed.size() * size_of(gc.grad);
+      uploads[b][w].reserve(bytes, "test gradient");
+      std::memcpy(uploads[b][w].data(), typed.data(), bytes);
+      ASSERT_EQ(cudaMemcpyAsync(grads[b][w].get(), uploads[b][w].data(), bytes, cudaMemcpyHostToDevice, stream),
+                cudaSuccess);
+    }
+  };
   const auto compare = [&](std::uint64_t step) {
     for (std::size_t w = 0; w < weights.size(); ++w) {
       const std::size_t n = weights[w].elements();
@@ -315,24 +500,48 @@ void run_against_standin(const gpu_case& gc) {
     }
   };
 
+  if (two_buffers) backward(0);
+  std::uint64_t held_steps = 0;
   for (std::uint64_t step = 0; step < gc.steps; ++step) {
     if (gc.apply_early && eng.will_update()) {
       eng.apply_previous_window();
       ref.apply_previous_window();
     }
-    uploads.clear();
-    for (std::size_t w = 0; w < weights.size(); ++w) {
-      const std::vector<float> g = gradient(weights[w], w, step, gc.config.topk_ratio, gc.grad);
-      std::copy(g.begin(), g.end(), ref_device.gradient(w).begin());
-      uploads.emplace_back(gc.grad, g);
-      ASSERT_EQ(cudaMemcpyAsync(grads[w].get(), uploads.back().data(), g.size() * size_of(gc.grad),
-                                cudaMemcpyHostToDevice, stream),
-                cudaSuccess);
+    if (!two_buffers) backward(step);
+    if (::testing::Test::HasFatalFailure()) return;
+    const int b = two_buffers ? static_cast<int>(step % 2) : 0;
+    for (std::size_t w = 0; w < weights.size(); ++w)
+      std::copy(step_gradients[b][w].begin(), step_gradients[b][w].end(), ref_device.gradient(w).begin());
+    if (gc.gradients != gradient_mode::constructor) device.gradients_ready(grad_pointers[b]);
+
+    // The trainer's overlap: the device's update, then (unless the device
+    // must wait for the step) the next backward into the other buffer and a
+    // forward that holds the stream until step() has returned.
+    stream_hold hold;
+    bool held = false;
+    if (two_buffers) {
+      eng.update_device();
+      if (!eng.device_waits_for_step()) {
+        if (step + 1 < gc.steps) backward(step + 1);
+        ASSERT_EQ(cudaLaunchHostFunc(stream, stream_hold::run, &hold), cudaSuccess);
+        held = true;
+        ++held_steps;
+      }
     }
     eng.step();
     ref.step();
+    if (held) {
+      hold.released.store(true, std::memory_order_release);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);  // the hold has returned: `hold` may go
+      ASSERT_FALSE(hold.timed_out.load()) << "step " << step << ": step() waited for the trainer's next forward";
+    } else if (two_buffers && step + 1 < gc.steps) {
+      backward(step + 1);
+    }
     compare(step);
     if (::testing::Test::HasFatalFailure()) return;
+  }
+  if (two_buffers) {
+    EXPECT_GT(held_steps, 0u) << "no step overlapped the next forward: the case tests nothing";
   }
   eng.finish();
   ref.finish();
@@ -358,11 +567,59 @@ TEST(zenflow_cuda, engine_on_the_gpu_matches_the_standin) {
        true},
       {"fp16 compute, bf16 gradients, Adam with L2", zenflow::step_config(0.3, 3, 3, false), adam_l2, dtype::fp16,
        dtype::bf16},
+      {"fp32, gradients_ready() on one buffer, overlap", zenflow::step_config(0.25, 2, 4, true), adamw, dtype::fp32,
+       dtype::fp32, true, false, 14, gradient_mode::ready},
+      {"fp32, two buffers, the next backward and forward ahead of step(), applied early",
+       zenflow::step_config(0.25, 3, 6, true), adamw, dtype::fp32, dtype::fp32, true, true, 14,
+       gradient_mode::two_buffers_ahead},
+      {"bf16, two buffers ahead, legacy stream", zenflow::step_config(0.3, 2, 8, true), adamw, dtype::bf16,
+       dtype::bf16, false, true, 17, gradient_mode::two_buffers_ahead},
   };
   for (const gpu_case& gc : cases) {
     run_against_standin(gc);
     if (HasFatalFailure()) return;
   }
+}
+
+// Per-step gradients: checked like the constructor's, required where the
+// constructor had none, and required every step once a trainer started
+// naming them.
+TEST(zenflow_cuda, per_step_gradients_are_checked_and_required) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device here";
+  const std::vector<weight_shape> weights = small_model();  // "w" 4x6, "b" 3x1
+  std::vector<device_ptr> params, grads;
+  std::vector<cuda_zenflow_weight> tensors;
+  for (const auto& s : weights) {
+    params.push_back(device_alloc(s.elements() * sizeof(float)));
+    grads.push_back(device_alloc(s.elements() * sizeof(float)));
+    tensors.push_back({params.back().get(), nullptr});  // every step names its gradients
+  }
+  cuda_zenflow_options o;
+  o.compute_type = dtype::fp32;
+  o.grad_type = dtype::fp32;
+  cuda_zenflow_device device(weights, tensors, o);
+  EXPECT_THROW(device.update_owned(1, 1), user_error);  // no gradient named yet
+  EXPECT_THROW(device.download_gradient(0), user_error);
+  EXPECT_THROW(device.gradients_ready(), user_error);  // the constructor's are null
+
+  float host[64] = {};
+  const std::vector<const void*> good{grads[0].get(), grads[1].get()};
+  EXPECT_THROW(device.gradients_ready(std::vector<const void*>{grads[0].get()}), user_error);
+  EXPECT_THROW(device.gradients_ready(std::vector<const void*>{grads[0].get(), nullptr}), user_error);
+  EXPECT_THROW(device.gradients_ready(std::vector<const void*>{grads[0].get(), host}), user_error);
+  EXPECT_THROW(device.gradients_ready(std::vector<const void*>{
+                   grads[0].get(), static_cast<const std::byte*>(grads[1].get()) + 2}),
+               user_error);
+
+  device.gradients_ready(good);
+  device.update_owned(1, 1);
+  device.update_owned(1, 1);  // the same step again: still this step's gradients
+  EXPECT_EQ(device.download_gradient(0).size(), 24u);
+  // Step 2 without gradients_ready(): it would read step 1's.
+  EXPECT_THROW(device.update_owned(1, 2), user_error);
+  device.gradients_ready(good);
+  device.update_owned(1, 2);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
 #endif

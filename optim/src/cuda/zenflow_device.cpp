@@ -13,6 +13,15 @@
 //   applied       an event after apply_staged()'s copy: the next upload into
 //                 `staging` waits for it
 //
+// The gradients come down on a D2H stream of the object's own, into
+// download_slots pinned slots (detail::download_ring keeps which weight is
+// in which): gradients_ready() records an event on the trainer's stream,
+// makes the D2H stream and the score stream wait for it, and starts the
+// planned weights' downloads; each download_gradient() waits for its slot's
+// event alone, widens it on the host threads and frees the slot for the next
+// weight's download. Nothing on those streams waits for work the trainer
+// enqueued after the gradients.
+//
 // Memory: what lives as long as the object is allocated with cudaMalloc at
 // construction. The packed state is reallocated at every hand-over whose
 // selection changes size, with cudaMallocAsync on the trainer's stream where
@@ -30,8 +39,10 @@
 #include <string>
 #include <utility>
 
+#include "cuda/gradient_staging.hpp"
 #include "cuda/zenflow_kernels.hpp"
 #include "kernels.hpp"
+#include "tierflow/core/affinity.hpp"
 #include "tierflow/core/assert.hpp"
 #include "tierflow/core/cuda_error.hpp"
 #include "tierflow/core/cuda_handles.hpp"
@@ -49,6 +60,22 @@ error_context cuda_context(const char* operation) {
 constexpr std::size_t align_up(std::size_t n, std::size_t to = 16) { return (n + to - 1) / to * to; }
 
 bool known(dtype t) { return t == dtype::fp32 || t == dtype::bf16 || t == dtype::fp16; }
+
+// Gradient slots in pinned memory: the host reads one while the next weight's
+// comes down.
+constexpr unsigned download_slots = 2;
+
+// Throws user_error unless `p` is device memory of `device` (or managed)
+// aligned to `element` bytes; `what` names the tensor for the message.
+void check_device_pointer(const void* p, std::size_t element, int device, const std::string& what) {
+  if (p == nullptr) throw user_error(what + ": a null pointer");
+  if (reinterpret_cast<std::uintptr_t>(p) % element != 0) throw user_error(what + ": a pointer not aligned to its element size");
+  cudaPointerAttributes attributes{};
+  TF_CUDA_CHECK(cudaPointerGetAttributes(&attributes, p), error_context{"zenflow cudaPointerGetAttributes"}.in_tier("device").of_block(what));
+  const bool device_memory_here = attributes.type == cudaMemoryTypeManaged ||
+                                  (attributes.type == cudaMemoryTypeDevice && attributes.device == device);
+  if (!device_memory_here) throw user_error(what + ": the pointer is not memory of CUDA device " + std::to_string(device));
+}
 
 // The packed state of `slots` owned columns: three planes, then the columns.
 struct packed_layout {
@@ -102,19 +129,33 @@ struct cuda_zenflow_device::impl {
   cuda_stream upload_stream;
   cuda_pinned_buffer upload_pinned;    // stage_upload(): compute_type data, then the column list
   std::size_t upload_columns_offset = 0;
-  cuda_pinned_buffer download_pinned;  // download_gradient(): grad_type
-  std::vector<float> download_fp32;    // download_gradient() of bf16/fp16 gradients
   cuda_pinned_buffer transfer;         // the trainer thread's other transfers, grown on demand
   cuda_device_memory importance;       // float[max cols]
   std::vector<weight_state> state;
+
+  // ---- the gradients' way down ----
+  // This step's gradients: gradients_ready()'s, else the constructor's.
+  std::vector<const void*> gradients;
+  bool per_step = false;                 // gradients_ready() was called: its event orders the reads
+  bool ready_unused = false;             // gradients_ready() ran since update_owned()'s last step
+  std::int64_t updated_step = 0;         // the step update_owned() ran for last
+  cuda_event gradients_done;             // on the trainer's stream, after the backward
+  cuda_stream download_stream;           // D2H: the gradients
+  cuda_stream score_stream;              // column_importance()'s kernel and copy
+  std::vector<cuda_event> slot_done;     // per slot: after its download
+  cuda_pinned_buffer download_pinned;    // download_slots slots of slot_bytes, grad_type
+  std::size_t slot_bytes = 0;
+  detail::download_ring ring{download_slots};
+  std::vector<float> download_fp32;      // download_gradient() of bf16/fp16 gradients
+  std::unique_ptr<executor> host_threads;  // widens and adds the downloads
 
   bool live = false;  // the device was found: the handles below need it current to be released
 
   impl() = default;
   impl(const impl&) = delete;
   impl& operator=(const impl&) = delete;
-  // Nothing may still read or write what the members free: waits for both
-  // streams first (the upload stream is idle unless a stage_upload() threw),
+  // Nothing may still read or write what the members free: waits for every
+  // stream first (the upload stream is idle unless a stage_upload() threw),
   // with the device current on this thread. Never throws.
   ~impl() {
     if (!live) return;
@@ -123,9 +164,10 @@ struct cuda_zenflow_device::impl {
       if (const cudaError_t rc = cudaSetDevice(options.device); rc != cudaSuccess) warn_cuda("cudaSetDevice", rc);
       restore.previous = current;
     }
-    if (upload_stream.get() != nullptr)
-      if (const cudaError_t rc = cudaStreamSynchronize(upload_stream.get()); rc != cudaSuccess)
-        warn_cuda("cudaStreamSynchronize", rc);
+    for (const cuda_stream* own : {&upload_stream, &download_stream, &score_stream})
+      if (own->get() != nullptr)
+        if (const cudaError_t rc = cudaStreamSynchronize(own->get()); rc != cudaSuccess)
+          warn_cuda("cudaStreamSynchronize", rc);
     if (const cudaError_t rc = cudaStreamSynchronize(stream); rc != cudaSuccess) warn_cuda("cudaStreamSynchronize", rc);
   }
 
@@ -146,7 +188,95 @@ struct cuda_zenflow_device::impl {
     TF_CUDA_CHECK(rc, context(kernel, w));
   }
 
+  // A weight without a gradient pointer needs gradients_ready() first.
+  void require_gradient(std::size_t w) const {
+    if (gradients[w] == nullptr)
+      throw user_error("zenflow cuda device: weight \"" + weights[w].name +
+                       "\" has no gradient: call gradients_ready() with this step's");
+  }
+
   void synchronize(std::size_t w) const { TF_CUDA_CHECK(cudaStreamSynchronize(stream), context("cudaStreamSynchronize", w)); }
+
+  std::byte* slot_data(unsigned slot) const { return download_pinned.data() + slot * slot_bytes; }
+
+  // The weights whose gradient the engine brings down this step, in the
+  // order it asks: the matrices with a column the host owns.
+  std::vector<std::size_t> planned_downloads() const {
+    std::vector<std::size_t> order;
+    for (std::size_t w = 0; w < weights.size(); ++w)
+      if (weights[w].matrix() && state[w].columns.size() < weights[w].cols) order.push_back(w);
+    return order;
+  }
+
+  // Records gradients_done after the work on the trainer's stream so far (the
+  // backward) and makes the D2H and score streams wait for it: an event
+  // wait, so they do not wait for what the trainer enqueues later.
+  void mark_gradients() {
+    TF_CUDA_CHECK(cudaEventRecord(gradients_done.get(), stream), cuda_context("cudaEventRecord gradients"));
+    TF_CUDA_CHECK(cudaStreamWaitEvent(download_stream.get(), gradients_done.get(), 0),
+                  cuda_context("cudaStreamWaitEvent gradients"));
+    TF_CUDA_CHECK(cudaStreamWaitEvent(score_stream.get(), gradients_done.get(), 0),
+                  cuda_context("cudaStreamWaitEvent gradients"));
+  }
+
+  void wait_downloads(const char* why) const {
+    TF_CUDA_CHECK(cudaStreamSynchronize(download_stream.get()), cuda_context(why));
+  }
+
+  // Starts a download into every free slot, in the ring's plan.
+  void issue_downloads() {
+    try {
+      while (const std::optional<detail::download_ring::issued> next = ring.issue()) {
+        const std::size_t w = next->weight;
+        const std::size_t bytes = weights[w].elements() * size_of(options.grad_type);
+        TF_CUDA_CHECK(cudaMemcpyAsync(slot_data(next->slot), gradients[w], bytes, cudaMemcpyDeviceToHost,
+                                      download_stream.get()),
+                      context("cudaMemcpyAsync gradient download", w));
+        TF_CUDA_CHECK(cudaEventRecord(slot_done[next->slot].get(), download_stream.get()),
+                      context("cudaEventRecord gradient download", w));
+        bytes_down += bytes;
+      }
+    } catch (...) {
+      // A slot issued without its copy must not be read as if it arrived:
+      // the plan is dropped, so the next request is a miss that downloads
+      // anew once the stream has drained.
+      ring.begin({});
+      throw;
+    }
+  }
+
+  // Frees the slot download_gradient() returned last (fp32 gradients are
+  // read in place), which starts the next download.
+  void release_held() {
+    if (const std::optional<unsigned> held = ring.held()) {
+      ring.release(*held);
+      issue_downloads();
+    }
+  }
+
+  // Waits for weight w's gradient in its slot and returns the slot, taken.
+  unsigned fetch(std::size_t w) {
+    release_held();
+    if (!per_step) {
+      // No gradients_ready(): the gradient is whatever the trainer's stream
+      // holds once its work so far has run; this weight alone comes down.
+      mark_gradients();
+      if (ring.begin({w})) wait_downloads("cudaStreamSynchronize gradient download");
+      issue_downloads();
+    }
+    std::optional<unsigned> slot = ring.take(w);
+    if (!slot) {
+      // Asked out of the plan: the copies in flight finish into their slots,
+      // then the plan restarts with this weight.
+      wait_downloads("cudaStreamSynchronize gradient download");
+      ring.replan_from(w);
+      issue_downloads();
+      slot = ring.take(w);
+      TF_ASSERT(slot.has_value(), "download ring: a replanned weight got no slot");
+    }
+    TF_CUDA_CHECK(cudaEventSynchronize(slot_done[*slot].get()), context("cudaEventSynchronize gradient download", w));
+    return *slot;
+  }
 };
 
 cuda_zenflow_device::cuda_zenflow_device(const std::vector<zenflow::weight_shape>& weights,
@@ -169,11 +299,18 @@ cuda_zenflow_device::cuda_zenflow_device(const std::vector<zenflow::weight_shape
     const std::string name = "zenflow cuda device: weight \"" + s.name + "\"";
     if (s.rows == 0 || s.cols == 0) throw user_error(name + " has an empty shape");
     if (s.cols > UINT32_MAX) throw user_error(name + " has too many columns");
-    if (tensors[w].parameters == nullptr || tensors[w].gradient == nullptr)
-      throw user_error(name + ": a null parameter or gradient pointer");
+    // A null gradient: every step names its gradients (gradients_ready()).
+    if (tensors[w].parameters == nullptr) throw user_error(name + ": a null parameter pointer");
     if (reinterpret_cast<std::uintptr_t>(tensors[w].parameters) % size_of(options.compute_type) != 0 ||
         reinterpret_cast<std::uintptr_t>(tensors[w].gradient) % size_of(options.grad_type) != 0)
       throw user_error(name + ": a pointer not aligned to its element size");
+  }
+  {
+    // The widening threads, one per CPU (executor refuses a CPU this process
+    // may not run on, with user_error).
+    std::vector<int> cpus = options.host_cpus.empty() ? current_affinity() : options.host_cpus;
+    const int threads = static_cast<int>(cpus.size());
+    d.host_threads = std::make_unique<executor>(threads, "auto", std::move(cpus));
   }
   d.weights = weights;
   d.tensors = std::move(tensors);
@@ -207,20 +344,18 @@ cuda_zenflow_device::cuda_zenflow_device(const std::vector<zenflow::weight_shape
 
   // The tensors must be memory this device's kernels can address.
   for (std::size_t w = 0; w < d.weights.size(); ++w) {
-    for (const void* p : {static_cast<const void*>(d.tensors[w].parameters), d.tensors[w].gradient}) {
-      cudaPointerAttributes attributes{};
-      TF_CUDA_CHECK(cudaPointerGetAttributes(&attributes, p), d.context("cudaPointerGetAttributes", w));
-      const bool device_memory_here =
-          attributes.type == cudaMemoryTypeManaged ||
-          (attributes.type == cudaMemoryTypeDevice && attributes.device == options.device);
-      if (!device_memory_here)
-        throw user_error("zenflow cuda device: weight \"" + d.weights[w].name +
-                         "\": a parameter or gradient pointer is not memory of CUDA device " +
-                         std::to_string(options.device));
-    }
+    const std::string name = "zenflow cuda device: weight \"" + d.weights[w].name + "\"";
+    check_device_pointer(d.tensors[w].parameters, d.compute_size, options.device, name + "'s parameters");
+    if (d.tensors[w].gradient != nullptr)
+      check_device_pointer(d.tensors[w].gradient, size_of(options.grad_type), options.device, name + "'s gradient");
+    d.gradients.push_back(d.tensors[w].gradient);
   }
 
   d.upload_stream = cuda_stream(options.device);
+  d.download_stream = cuda_stream(options.device);
+  d.score_stream = cuda_stream(options.device);
+  d.gradients_done = cuda_event::create();
+  for (unsigned i = 0; i < download_slots; ++i) d.slot_done.push_back(cuda_event::create());
   std::uint64_t max_elements = 0, max_matrix_elements = 0, max_cols = 0;
   d.state.resize(d.weights.size());
   for (std::size_t w = 0; w < d.weights.size(); ++w) {
@@ -244,7 +379,8 @@ cuda_zenflow_device::cuda_zenflow_device(const std::vector<zenflow::weight_shape
     }
   }
   d.importance = cuda_device_memory::allocate(max_cols * sizeof(float), cuda_context("cudaMalloc importance"));
-  d.download_pinned.reserve(max_elements * size_of(options.grad_type), "gradient download");
+  d.slot_bytes = align_up(max_elements * size_of(options.grad_type), 64);
+  d.download_pinned.reserve(download_slots * d.slot_bytes, "gradient download");
   if (options.grad_type != dtype::fp32) d.download_fp32.resize(max_elements);
   if (max_matrix_elements > 0) {
     d.upload_columns_offset = align_up(max_matrix_elements * d.compute_size);
@@ -300,20 +436,25 @@ void cuda_zenflow_device::column_importance(std::size_t w, zenflow::importance_n
   impl& d = *impl_;
   TF_ASSERT(w < d.weights.size() && out.size() == d.weights[w].cols);
   const zenflow::weight_shape& s = d.weights[w];
+  d.require_gradient(w);
   const cuda_device_scope scope(d.options.device);
+  // On the score stream, behind the gradients' event (without
+  // gradients_ready(), behind everything on the trainer's stream so far).
+  if (!d.per_step) d.mark_gradients();
+  const cudaStream_t scoring = d.score_stream.get();
   auto* scores = static_cast<float*>(d.importance.get());
-  d.check_launch(detail::launch_column_importance(d.tensors[w].gradient, d.options.grad_type, s.rows, s.cols,
+  d.check_launch(detail::launch_column_importance(d.gradients[w], d.options.grad_type, s.rows, s.cols,
                                                   norm == zenflow::importance_norm::l2 ? detail::column_norm::l2
                                                                                        : detail::column_norm::l1,
-                                                  scores, d.stream,
-                                                  d.sm_count),
+                                                  scores, scoring, d.sm_count),
                  "column importance kernel", w);
   const std::size_t bytes = out.size() * sizeof(float);
   d.transfer.reserve(bytes, "column importance");
-  TF_CUDA_CHECK(cudaMemcpyAsync(d.transfer.data(), scores, bytes, cudaMemcpyDeviceToHost, d.stream),
+  TF_CUDA_CHECK(cudaMemcpyAsync(d.transfer.data(), scores, bytes, cudaMemcpyDeviceToHost, scoring),
                 d.context("cudaMemcpyAsync column importance", w));
   d.bytes_down += bytes;
-  d.synchronize(w);
+  // Also what keeps `importance` and `transfer` from being reused too early.
+  TF_CUDA_CHECK(cudaStreamSynchronize(scoring), d.context("cudaStreamSynchronize column importance", w));
   std::memcpy(out.data(), d.transfer.data(), bytes);
 }
 
@@ -332,7 +473,16 @@ void cuda_zenflow_device::update_owned(std::size_t w, std::int64_t step) {
                                                      d.layout(w).columns_offset);
   a.count = ws.columns.size();
   a.rows = d.weights[w].rows;
-  a.grad = d.tensors[w].gradient;
+  d.require_gradient(w);
+  if (d.per_step && step != d.updated_step) {
+    // A new step must name its gradients first, or it would read the last one's.
+    if (!d.ready_unused)
+      throw user_error("zenflow cuda device: step " + std::to_string(step) +
+                       " updates the device before gradients_ready() named its gradients");
+    d.ready_unused = false;
+    d.updated_step = step;
+  }
+  a.grad = d.gradients[w];
   a.grad_type = d.options.grad_type;
   a.param = d.tensors[w].parameters;
   a.param_type = d.options.compute_type;
@@ -340,20 +490,66 @@ void cuda_zenflow_device::update_owned(std::size_t w, std::int64_t step) {
   d.check_launch(detail::launch_adam_columns(a, d.stream, d.sm_count), "adam kernel", w);
 }
 
+void cuda_zenflow_device::gradients_ready(std::span<const void* const> gradients) {
+  impl& d = *impl_;
+  if (gradients.size() != d.weights.size())
+    throw user_error("zenflow cuda device: gradients_ready: " + std::to_string(gradients.size()) +
+                     " gradients for " + std::to_string(d.weights.size()) + " weights");
+  const cuda_device_scope scope(d.options.device);
+  for (std::size_t w = 0; w < gradients.size(); ++w)
+    check_device_pointer(gradients[w], size_of(d.options.grad_type), d.options.device,
+                         "zenflow cuda device: gradients_ready: weight \"" + d.weights[w].name + "\"'s gradient");
+  d.gradients.assign(gradients.begin(), gradients.end());
+  d.per_step = true;
+  d.ready_unused = true;
+  d.mark_gradients();
+  // A download of the last step nobody took still reads its gradients;
+  // the hand-overs drop those, so this is a safety net, not a wait per step.
+  if (d.ring.begin(d.planned_downloads())) d.wait_downloads("cudaStreamSynchronize gradient download");
+  d.issue_downloads();
+}
+
+void cuda_zenflow_device::gradients_ready() {
+  std::vector<const void*> gradients;
+  for (const cuda_zenflow_weight& t : impl_->tensors) gradients.push_back(t.gradient);
+  gradients_ready(gradients);
+}
+
 std::span<const float> cuda_zenflow_device::download_gradient(std::size_t w) {
   impl& d = *impl_;
   TF_ASSERT(w < d.weights.size());
+  d.require_gradient(w);
   const std::size_t n = d.weights[w].elements();
   const cuda_device_scope scope(d.options.device);
-  TF_CUDA_CHECK(cudaMemcpyAsync(d.download_pinned.data(), d.tensors[w].gradient, n * size_of(d.options.grad_type),
-                                cudaMemcpyDeviceToHost, d.stream),
-                d.context("cudaMemcpyAsync gradient download", w));
-  d.bytes_down += n * size_of(d.options.grad_type);
-  d.synchronize(w);
-  if (d.options.grad_type == dtype::fp32) return {reinterpret_cast<const float*>(d.download_pinned.data()), n};
-  detail::convert_range(d.simd_target, d.download_pinned.data(), d.options.grad_type, d.download_fp32.data(),
-                        dtype::fp32, 1.0f, 0, n);
+  const unsigned slot = d.fetch(w);
+  if (d.options.grad_type == dtype::fp32) {
+    // Read in place: the slot stays taken until the next request.
+    return {reinterpret_cast<const float*>(d.slot_data(slot)), n};
+  }
+  detail::widen_gradient(*d.host_threads, d.slot_data(slot), d.options.grad_type, d.download_fp32.data(), n);
+  d.ring.release(slot);
+  d.issue_downloads();
   return {d.download_fp32.data(), n};
+}
+
+void cuda_zenflow_device::accumulate_gradient(std::size_t w, std::span<const zenflow::column_run> runs,
+                                              std::span<float> sum) {
+  impl& d = *impl_;
+  if (w >= d.weights.size()) throw user_error("zenflow cuda device: accumulate_gradient: no weight " + std::to_string(w));
+  const zenflow::weight_shape& s = d.weights[w];
+  if (sum.size() != s.elements())
+    throw user_error("zenflow cuda device: accumulate_gradient: weight \"" + s.name + "\" has " +
+                     std::to_string(s.elements()) + " elements, the sum " + std::to_string(sum.size()));
+  for (std::size_t i = 0; i < runs.size(); ++i)
+    if (runs[i].begin >= runs[i].end || runs[i].end > s.cols || (i > 0 && runs[i].begin < runs[i - 1].end))
+      throw user_error("zenflow cuda device: accumulate_gradient: weight \"" + s.name +
+                       "\": the runs are not ascending columns of the weight");
+  d.require_gradient(w);
+  const cuda_device_scope scope(d.options.device);
+  const unsigned slot = d.fetch(w);
+  detail::accumulate_gradient(*d.host_threads, d.slot_data(slot), d.options.grad_type, runs, s.rows, sum);
+  d.ring.release(slot);
+  d.issue_downloads();
 }
 
 void cuda_zenflow_device::stage_upload(std::size_t w, std::span<const zenflow::column_run> runs,
@@ -567,6 +763,15 @@ void cuda_zenflow_device::hand_over(std::size_t w, std::span<const std::uint32_t
   }
   ws.packed = std::move(next);  // frees the old state
   ws.columns.assign(selected.begin(), selected.end());
+  if (ws.columns.size() == s.cols) {
+    // The host asks for this gradient no more: a download of it already on
+    // its way is waited for (it reads the gradient, which the trainer may
+    // overwrite once step() returns), and its slot serves the next weight.
+    if (const std::optional<unsigned> freed = d.ring.drop(w)) {
+      TF_CUDA_CHECK(cudaEventSynchronize(d.slot_done[*freed].get()), d.context("cudaEventSynchronize", w));
+      d.issue_downloads();
+    }
+  }
 }
 
 }  // namespace tierflow::optim

@@ -13,12 +13,34 @@
 // here, and amsgrad is refused. The engine's update_rule must apply the same
 // Adam on the host side.
 //
-// Threads and streams: everything runs on the trainer's stream and thread,
-// except stage_upload(), which the engine calls from its CPU-step thread and
-// which uses a stream, a pinned buffer and a staging area of its own.
-// column_importance(), download_gradient(), initialize() and hand_over()
-// wait for the trainer's stream (they return host data); update_owned() and
-// apply_staged() only enqueue.
+// Gradients and streams, for a trainer that overlaps the host's part of a
+// step with the next forward (engine::update_device()):
+//
+//   backward(t) on the trainer's stream, into gradient buffer t % 2
+//   device.gradients_ready(buffers[t % 2])  the gradients' trip down starts,
+//                                           on the device's own D2H stream
+//   engine.update_device()                  Adam on the owned columns, on the
+//                                           trainer's stream
+//   forward(t+1) [+ backward(t+1) into buffer (t+1) % 2], unless
+//                engine.device_waits_for_step()
+//   engine.step()                           waits only for the downloads
+//
+// The downloads and the column scores run on streams of their own that wait
+// for the gradients (an event), not for what the trainer enqueued after
+// them, so they never queue behind the next forward. Two gradient buffers
+// (or any per-step pointers) let the next backward run while the host still
+// reads this step's: a step's gradients must stay unchanged until the
+// step() that reads them has returned. Without gradients_ready() the
+// gradients are the constructor's, each download waits for all the work on
+// the trainer's stream so far, and nothing is fetched ahead.
+//
+// Threads: everything runs on the trainer's thread, except stage_upload(),
+// which the engine calls from its CPU-step thread and which uses a stream, a
+// pinned buffer and a staging area of its own. The downloaded bf16/fp16
+// gradients are widened to fp32 on a thread pool of host_cpus.size()
+// threads. column_importance(), download_gradient(), initialize() and
+// hand_over() return host data, so they wait for what they need;
+// update_owned(), apply_staged() and gradients_ready() only enqueue.
 //
 // Needs a CUDA build of tierflow; elsewhere the constructor throws user_error.
 // This header does not include the CUDA runtime's.
@@ -40,7 +62,9 @@ namespace tierflow::optim {
 // [c·rows, (c+1)·rows)), rows·cols elements.
 struct cuda_zenflow_weight {
   void* parameters = nullptr;      // the compute copy, options.compute_type, written by the device side
-  const void* gradient = nullptr;  // this step's gradient, options.grad_type, written by the backward
+  // The gradient, options.grad_type, written by the backward: the one every
+  // step uses unless gradients_ready() names another; null when it always does.
+  const void* gradient = nullptr;
 };
 
 struct cuda_zenflow_options {
@@ -52,6 +76,10 @@ struct cuda_zenflow_options {
   // gradients and consumes the parameters; 0 is the legacy default stream.
   // It must outlive the device object.
   std::uintptr_t stream = 0;
+  // The CPUs the threads that widen downloaded gradients run on, one thread
+  // pinned to each (the trainer's share: core_split::trainer); empty: the
+  // CPUs the constructing thread may run on.
+  std::vector<int> host_cpus;
 };
 
 // Bytes the device side has copied over the host link, each way.
@@ -67,7 +95,8 @@ class cuda_zenflow_device final : public zenflow::device_side {
   // weight in compute_type) and the pinned buffers. Throws user_error for bad
   // arguments (sizes that differ, an empty shape, a null, misaligned or
   // non-device pointer, an unknown dtype, amsgrad, an invalid Adam
-  // hyper-parameter, a device index out of range) and in a build without
+  // hyper-parameter, a device index out of range, a CPU in host_cpus this
+  // process may not run on) and in a build without
   // CUDA; tierflow::error for a failed CUDA call (no driver, no device, out of
   // memory), naming the call and the weight.
   cuda_zenflow_device(const std::vector<zenflow::weight_shape>& weights, std::vector<cuda_zenflow_weight> tensors,
@@ -88,6 +117,24 @@ class cuda_zenflow_device final : public zenflow::device_side {
   // The columns whose master and moments the device holds, ascending: the
   // engine's selected(w) after every step.
   std::span<const std::uint32_t> owned_columns(std::size_t w) const;
+
+  // This step's gradients: gradients[w] for weight w, options.grad_type,
+  // device memory, complete once the work enqueued on the trainer's stream
+  // before this call has run. Call once per step, after its backward is
+  // enqueued and before update_device() or step(); starts downloading the
+  // gradients the host will accumulate, on the device's D2H stream. The
+  // pointers serve until the next call. Throws user_error for a wrong
+  // count, a null, misaligned or non-device pointer.
+  void gradients_ready(std::span<const void* const> gradients);
+  // The same with the constructor's gradients (each weight's `gradient`).
+  void gradients_ready();
+
+  // Adds this step's gradient of matrix `w` over the columns in `runs`
+  // (ascending) into `sum` (fp32, the whole weight): the download and the
+  // widening fused into one pass over the pinned copy, on the host threads.
+  // The same values as adding download_gradient(w) by hand; ends the span
+  // download_gradient() returned last.
+  void accumulate_gradient(std::size_t w, std::span<const zenflow::column_run> runs, std::span<float> sum);
 
   // Every copy so far, counted when it is enqueued.
   cuda_zenflow_traffic traffic() const;
