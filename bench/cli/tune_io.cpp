@@ -27,7 +27,7 @@ namespace {
 
 struct tune_io_options {
   std::string path;
-  std::string size = "256M";
+  std::string size = "64M";
   std::string block_sizes = "128K,256K,512K,1M";
   std::string queue_depths = "4,8,16,32,64";
   std::string threads = "1,2";
