@@ -67,6 +67,7 @@ class stream_bound {
   // threads; returns its seconds.
   double memcpy_pass();
 
+  std::size_t params() const noexcept { return params_; }
   // Bytes one stream pass moves (reads plus writes).
   std::size_t stream_bytes() const noexcept { return streams_.bytes_per_param() * params_; }
   // Bytes one memcpy pass moves: its length read plus its length written.

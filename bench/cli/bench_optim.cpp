@@ -113,6 +113,39 @@ std::uint16_t half_bits(float value, dtype t) {
   return static_cast<std::uint16_t>(((bits >> 16) & 0x8000) | ((exp - 112) << 10) | ((bits >> 13) & 0x3FF));
 }
 
+// Times `one_step` `steps` times, each followed by one pass of the bound's
+// plain loop and one of its memcpy (so that all three see the same machine:
+// on a shared host the load changes between seconds). Returns the median
+// step; adds both bounds, the higher one and the ratio to it to `j`.
+template <class Step>
+double time_beside_bound(Step& one_step, int steps, bound::stream_bound& b, double step_bytes, json& j) {
+  for (int i = 0; i < 2; ++i) {  // warm-up, as for the step
+    b.stream_pass();
+    b.memcpy_pass();
+  }
+  std::vector<double> step_times, stream_times, memcpy_times;
+  for (int i = 0; i < steps; ++i) {
+    step_times.push_back(median_seconds(1, one_step));
+    stream_times.push_back(b.stream_pass());
+    memcpy_times.push_back(b.memcpy_pass());
+  }
+  const double seconds = median_of(step_times);
+  const double stream_seconds = median_of(stream_times), memcpy_seconds = median_of(memcpy_times);
+  const double stream_rate = static_cast<double>(b.stream_bytes()) / stream_seconds;
+  const double memcpy_rate = static_cast<double>(b.memcpy_bytes()) / memcpy_seconds;
+  const double bound_rate = std::max(stream_rate, memcpy_rate);
+  j["bound_stream_bytes_per_param"] = static_cast<double>(b.stream_bytes()) / static_cast<double>(b.params());
+  j["bound_stream_seconds_per_pass"] = stream_seconds;
+  j["bound_stream_bytes_per_second"] = stream_rate;
+  j["bound_memcpy_bytes"] = b.memcpy_bytes();
+  j["bound_memcpy_seconds_per_pass"] = memcpy_seconds;
+  j["bound_memcpy_bytes_per_second"] = memcpy_rate;
+  j["bound"] = stream_rate >= memcpy_rate ? "stream" : "memcpy";
+  j["bound_bytes_per_second"] = bound_rate;
+  j["ratio_to_bound"] = step_bytes / seconds / bound_rate;
+  return seconds;
+}
+
 json bench_adam(const optim_options& opt, optim::executor& ex) {
   const std::size_t n = parse_size(opt.params, "--params");
   const dtype param_t = parse_dtype(opt.param_dtype, "--param-dtype");
@@ -174,39 +207,14 @@ json bench_adam(const optim_options& opt, optim::executor& ex) {
     seconds = median_seconds(opt.steps, one_step);
   } else {
     // The bound, measured without tierflow's kernels over the step's own
-    // streams (bound/stream_bound.hpp): the plain loop and memcpy. Their
-    // passes alternate with the steps, so that all three see the same machine
-    // (on a shared host the load changes between seconds).
+    // streams (bound/stream_bound.hpp).
     bound::stream_bound b(n,
                           {.grad_bytes = static_cast<unsigned>(size_of(grad_t)),
                            .state_bytes = static_cast<unsigned>(size_of(state_t)),
                            .copy_bytes = param_t == dtype::fp32 ? 0u : static_cast<unsigned>(size_of(param_t)),
                            .grad_read_twice = opt.check_finite},
                           ex.threads(), pages);
-    for (int i = 0; i < 2; ++i) {  // warm-up, as for the step
-      b.stream_pass();
-      b.memcpy_pass();
-    }
-    std::vector<double> steps, streams, copies;
-    for (int i = 0; i < opt.steps; ++i) {
-      steps.push_back(median_seconds(1, one_step));
-      streams.push_back(b.stream_pass());
-      copies.push_back(b.memcpy_pass());
-    }
-    seconds = median_of(steps);
-    const double stream_seconds = median_of(streams), memcpy_seconds = median_of(copies);
-    const double stream_rate = static_cast<double>(b.stream_bytes()) / stream_seconds;
-    const double memcpy_rate = static_cast<double>(b.memcpy_bytes()) / memcpy_seconds;
-    const bool stream_wins = stream_rate >= memcpy_rate;
-    j["bound_stream_bytes_per_param"] = static_cast<double>(b.stream_bytes()) / static_cast<double>(n);
-    j["bound_stream_seconds_per_pass"] = stream_seconds;
-    j["bound_stream_bytes_per_second"] = stream_rate;
-    j["bound_memcpy_bytes"] = b.memcpy_bytes();
-    j["bound_memcpy_seconds_per_pass"] = memcpy_seconds;
-    j["bound_memcpy_bytes_per_second"] = memcpy_rate;
-    j["bound"] = stream_wins ? "stream" : "memcpy";
-    j["bound_bytes_per_second"] = std::max(stream_rate, memcpy_rate);
-    j["ratio_to_bound"] = bytes * static_cast<double>(n) / seconds / std::max(stream_rate, memcpy_rate);
+    seconds = time_beside_bound(one_step, opt.steps, b, bytes * static_cast<double>(n), j);
   }
   j["seconds_per_step"] = seconds;
   j["params_per_second"] = static_cast<double>(n) / seconds;
