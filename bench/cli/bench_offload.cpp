@@ -3,11 +3,15 @@
 // with --device sim the device's compute and its PCIe link follow a stated
 // model, printed with the result; with --device cuda a GPU runs the model's
 // matmuls and the copies over its link for real. Strategies, side by side
-// when several are given (--strategy sync,pipelined,zenflow): sync
-// (ZeRO-Offload: the device waits for the whole CPU step), pipelined
-// (ZeRO-Infinity's streamed optimizer step), zenflow (selective device
-// updates, asynchronous windows).
+// when several are given (--strategy zero-offload,zero-infinity,zenflow):
+// zero-offload (DeepSpeed's ZeRO-Offload: the gradient offloaded during the
+// backward, CPU Adam on every core, the parameters uploaded after; state in
+// host memory), zero-infinity (the same with the state swapped from NVMe by
+// DeepSpeed's pipelined read and write), zenflow (selective device updates,
+// asynchronous windows); ratios are against zero-offload.
+#include <charconv>
 #include <cstdio>
+#include <optional>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -27,20 +31,21 @@ namespace {
 using nlohmann::json;
 
 struct offload_flags {
-  std::string model = "gpt2-medium";
+  std::string model = "gpt2-small";
   std::string device = "sim";
-  std::string host_memory = "2G";
+  std::string host_memory = "auto";
   std::string nvme_dir;
   std::string optimizer = "adamw";
   std::string strategy = "zenflow";
   std::uint64_t steps = 12;
   double tflops = 400;
   std::string device_memory = "80G";
+  double hbm_gbps = 3350;
   double pcie_gbps = 25;
   double pcie_latency_us = 10;
-  std::uint64_t batch_tokens = 16384;
-  std::uint64_t update_interval = 4;
-  std::uint64_t select_interval = 0;
+  std::uint64_t batch_tokens = 65536;
+  std::string update_interval = "4";
+  std::optional<std::uint64_t> select_interval;
   double topk_ratio = 0.1;
   bool no_overlap = false;
   unsigned threads = 0;
@@ -58,23 +63,34 @@ std::vector<std::string> split_list(const std::string& text) {
   return out;
 }
 
+// A whole number of steps ≥ 1, or "auto" (nullopt).
+std::optional<std::uint64_t> parse_update_interval(const std::string& text) {
+  if (text == "auto") return std::nullopt;
+  std::uint64_t steps = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), steps);
+  if (ec != std::errc() || end != text.data() + text.size() || steps == 0)
+    throw user_error("--update-interval: '" + text + "' is not a whole number of steps ≥ 1 or auto");
+  return steps;
+}
+
 bench::offload_options to_options(const offload_flags& f) {
   bench::offload_options o;
   o.model = f.model;
   bench::parse_device(f.device, o);
   if (o.device == bench::device_kind::cuda && !f.model_flags_given.empty())
     throw user_error(f.model_flags_given.front() + ": describes the simulated device; --device cuda measures its own");
-  o.host_memory = parse_size(f.host_memory, "--host-memory");
+  if (f.host_memory != "auto") o.host_memory = parse_size(f.host_memory, "--host-memory");
   o.nvme_dir = f.nvme_dir;
   o.optimizer = bench::parse_optimizer(f.optimizer);
   o.steps = f.steps;
   o.device_model.tflops = f.tflops;
   o.device_model.memory_bytes = parse_size(f.device_memory, "--device-memory");
+  o.device_model.hbm_bytes_per_second = f.hbm_gbps * 1e9;
   o.device_model.pcie_bytes_per_second = f.pcie_gbps * 1e9;
   o.device_model.pcie_latency_seconds = f.pcie_latency_us * 1e-6;
   o.batch_tokens = f.batch_tokens;
-  o.update_interval = f.update_interval;
-  if (f.select_interval) o.select_interval = f.select_interval;
+  o.update_interval = parse_update_interval(f.update_interval);
+  o.select_interval = f.select_interval;
   o.topk_ratio = f.topk_ratio;
   o.overlap = !f.no_overlap;
   o.threads = f.threads;
@@ -84,35 +100,45 @@ bench::offload_options to_options(const offload_flags& f) {
   return o;
 }
 
+json summary_json(const bench::step_summary& sum) {
+  return {{"step_seconds", sum.step_seconds},
+          {"warm_up_steps", sum.warm_up_steps},
+          {"counted_steps", sum.counted_steps},
+          {"windows", sum.windows},
+          {"median_step_seconds", sum.median_step_seconds},
+          {"max_step_seconds", sum.max_step_seconds},
+          {"stall_fraction", sum.stall_fraction},
+          {"cpu_wait_per_step_seconds", sum.cpu_wait_per_step_seconds}};
+}
+
 json result_json(const bench::offload_plan& plan, const bench::offload_result& r) {
   json steps = json::array();
   for (const auto& s : r.steps) {
-    steps.push_back({{"step", s.step}, {"seconds", s.seconds}, {"stall_seconds", s.stall_seconds},
-                     {"host_seconds", s.host_seconds}, {"boundary", s.boundary}});
+    steps.push_back({{"step", s.step}, {"seconds", s.seconds}, {"compute_seconds", s.compute_seconds},
+                     {"stall_seconds", s.stall_seconds}, {"host_seconds", s.host_seconds},
+                     {"cpu_wait_seconds", s.cpu_wait_seconds}, {"boundary", s.boundary}});
   }
-  json j = {{"strategy", r.strategy},
+  json j = summary_json(r.summary);
+  j.update({{"strategy", r.strategy},
             {"model", plan.model.name},
             {"parameters", plan.model.parameters()},
             {"optimizer", bench::to_string(plan.options.optimizer)},
+            {"batch_tokens", plan.options.batch_tokens},
             {"device", plan.options.device == bench::device_kind::cuda
                            ? "cuda:" + std::to_string(plan.options.cuda_device)
                            : std::string("sim")},
             {"device_model", r.device_model},
-            {"step_seconds", r.step_seconds},
-            {"warm_up_steps", r.warm_up_steps},
-            {"median_step_seconds", r.median_step_seconds},
-            {"max_step_seconds", r.max_step_seconds},
-            {"stall_fraction", r.stall_fraction},
             {"compute_seconds_per_step", r.compute_seconds},
             {"drain_seconds", r.drain_seconds},
             {"bytes", r.bytes},
             {"steps", steps},
             {"state_on_nvme", plan.memory.state_on_nvme},
             {"state_bytes", plan.memory.state_bytes},
+            {"host_memory_bytes", plan.host_memory},
             {"host_stream_bytes", plan.memory.stream_tier},
             {"optimizer_threads", plan.optimizer_threads},
             {"optimizer_cpus", r.optimizer_cpus},
-            {"trainer_cpus", r.trainer_cpus}};
+            {"trainer_cpus", r.trainer_cpus}});
   if (r.optimizer_step_seconds > 0) {
     j["optimizer_step_seconds"] = r.optimizer_step_seconds;
     j["io_alone_seconds"] = r.io_alone_seconds;
@@ -121,10 +147,27 @@ json result_json(const bench::offload_plan& plan, const bench::offload_result& r
   if (!r.hideability.empty()) {
     j["window_compute_seconds"] = r.window_compute_seconds;
     j["cpu_step_seconds"] = r.cpu_step_seconds;
-    j["host_work_per_step_seconds"] = r.host_work_per_step_seconds;
+    j["host_work_per_step_seconds"] = r.summary.host_work_per_step_seconds;
+    j["refreshes"] = r.refreshes;
     j["hideability"] = r.hideability;
   }
   return j;
+}
+
+std::string cpu_list(const std::vector<int>& cpus) {
+  std::string out;
+  for (const int c : cpus) out += (out.empty() ? "" : ",") + std::to_string(c);
+  return out.empty() ? std::string("-") : out;
+}
+
+void print_steps(const bench::offload_result& r) {
+  std::printf("  %-6s %10s %10s %10s %10s %10s\n", "step", "seconds", "compute", "stall", "host", "cpu wait");
+  for (const auto& s : r.steps) {
+    const bool counted = s.step >= r.summary.warm_up_steps && s.step < r.summary.warm_up_steps + r.summary.counted_steps;
+    std::printf("  %-6llu %10.3f %10.3f %10.3f %10.3f %10.3f%s%s\n", static_cast<unsigned long long>(s.step),
+                s.seconds, s.compute_seconds, s.stall_seconds, s.host_seconds, s.cpu_wait_seconds,
+                s.boundary ? "  update" : "", counted ? "" : "  (not counted)");
+  }
 }
 
 void print_human(const bench::offload_plan& plan, const bench::offload_result& r) {
@@ -135,45 +178,52 @@ void print_human(const bench::offload_plan& plan, const bench::offload_result& r
               format_bytes(static_cast<double>(plan.memory.state_bytes)).c_str(),
               plan.memory.state_on_nvme ? "NVMe" : "the host",
               format_bytes(static_cast<double>(plan.memory.stream_tier)).c_str(), plan.optimizer_threads);
-  if (!r.optimizer_cpus.empty()) {
-    auto list = [](const std::vector<int>& cpus) {
-      std::string out;
-      for (const int c : cpus) out += (out.empty() ? "" : ",") + std::to_string(c);
-      return out.empty() ? std::string("-") : out;
-    };
+  if (!r.optimizer_cpus.empty())
     std::printf("  optimizer threads pinned to CPUs %s, the trainer's thread to %s (pt_reserved_cores_perc)\n",
-                list(r.optimizer_cpus).c_str(), list(r.trainer_cpus).c_str());
-  }
-  std::printf("  %-6s %10s %10s %10s\n", "step", "seconds", "stall", "host");
-  for (const auto& s : r.steps) {
-    std::printf("  %-6llu %10.3f %10.3f %10.3f%s\n", static_cast<unsigned long long>(s.step), s.seconds,
-                s.stall_seconds, s.host_seconds, s.boundary ? "  update" : "");
-  }
-  std::printf("  steps %llu on: mean step %.3f s (median %.3f, max %.3f), device compute %.3f s/step, "
-              "stall fraction %.3f\n",
-              static_cast<unsigned long long>(r.warm_up_steps), r.step_seconds, r.median_step_seconds,
-              r.max_step_seconds, r.compute_seconds, r.stall_fraction);
+                cpu_list(r.optimizer_cpus).c_str(), cpu_list(r.trainer_cpus).c_str());
+  print_steps(r);
+  const bench::step_summary& sum = r.summary;
+  std::printf("  steps %llu-%llu (%llu whole windows): mean step %.3f s (median %.3f, max %.3f), device compute "
+              "%.3f s/step, stall fraction %.3f, CPU-step wait %.3f s/step\n",
+              static_cast<unsigned long long>(sum.warm_up_steps),
+              static_cast<unsigned long long>(sum.warm_up_steps + sum.counted_steps - 1),
+              static_cast<unsigned long long>(sum.windows), sum.step_seconds, sum.median_step_seconds,
+              sum.max_step_seconds, r.compute_seconds, sum.stall_fraction, sum.cpu_wait_per_step_seconds);
   if (r.optimizer_step_seconds > 0) {
     const double bound = std::max(r.io_alone_seconds, r.compute_alone_seconds);
     std::printf("  optimizer step %.3f s = %.2fx max(I/O alone %.3f s, compute alone %.3f s)\n",
                 r.optimizer_step_seconds, r.optimizer_step_seconds / bound, r.io_alone_seconds,
                 r.compute_alone_seconds);
   }
-  if (!r.hideability.empty()) std::printf("  %s\n", r.hideability.c_str());
+  if (!r.hideability.empty())
+    std::printf("  %s; %llu selection(s), the first among them\n", r.hideability.c_str(),
+                static_cast<unsigned long long>(r.refreshes));
   std::printf("  bytes:");
-  for (const auto& [link, bytes] : r.bytes) std::printf(" %s %s;", link.c_str(), format_bytes(static_cast<double>(bytes)).c_str());
-  std::printf("\n  drain after the last step %.3f s\n", r.drain_seconds);
+  for (const auto& [link, bytes] : r.bytes)
+    std::printf(" %s %s;", link.c_str(), format_bytes(static_cast<double>(bytes)).c_str());
+  std::printf("\n  drain after the measured span %.3f s\n", r.drain_seconds);
+}
+
+const char* const peer = "zero-offload";  // what every ratio is against
+
+void print_side_by_side(const std::vector<bench::offload_result>& results, const bench::offload_result& base) {
+  std::printf("\nside by side (mean step, relative to %s):\n", peer);
+  for (const auto& r : results)
+    std::printf("  %-14s %8.3f s  %6.2fx  stall %.3f  max/median %.2f\n", r.strategy.c_str(),
+                r.summary.step_seconds, r.summary.step_seconds / base.summary.step_seconds, r.summary.stall_fraction,
+                r.summary.max_step_seconds / r.summary.median_step_seconds);
 }
 
 void run(const offload_flags& flags) {
   const auto strategies = split_list(flags.strategy);
-  if (strategies.empty()) throw user_error("--strategy: give sync, pipelined, zenflow or a comma-separated list");
+  if (strategies.empty())
+    throw user_error("--strategy: give zero-offload, zero-infinity, zenflow or a comma-separated list");
   // Every plan is made (and so every value checked) before any work starts.
   std::vector<bench::offload_plan> plans;
   for (const auto& s : strategies) {
     bench::offload_options o = to_options(flags);
     o.strategy = bench::parse_strategy(s);
-    if (strategies.size() > 1 && !o.trace_path.empty()) o.trace_path += "." + s + ".json";
+    if (strategies.size() > 1 && !o.trace_path.empty()) o.trace_path += "." + std::string(to_string(o.strategy)) + ".json";
     plans.push_back(bench::make_plan(o));
   }
   if (!flags.as_json) std::printf("%s\n", plans[0].device_description.c_str());
@@ -185,29 +235,21 @@ void run(const offload_flags& flags) {
     if (flags.as_json) runs.push_back(result_json(plan, results.back()));
     else print_human(plan, results.back());
   }
-  auto find = [&](const char* name) -> const bench::offload_result* {
-    for (const auto& r : results) if (r.strategy == name) return &r;
-    return nullptr;
-  };
-  const auto* sync = find("sync");
+  const bench::offload_result* base = nullptr;
+  for (const auto& r : results)
+    if (r.strategy == peer) base = &r;
   if (flags.as_json) {
     if (runs.size() == 1) {
       std::cout << runs[0].dump(2) << '\n';
       return;
     }
     json out = {{"runs", runs}};
-    for (const auto& r : results) {
-      if (sync && &r != sync) out["step_ratio_vs_sync"][r.strategy] = r.step_seconds / sync->step_seconds;
-    }
+    for (const auto& r : results)
+      if (base && &r != base) out["step_ratio_vs_zero_offload"][r.strategy] = r.summary.step_seconds / base->summary.step_seconds;
     std::cout << out.dump(2) << '\n';
     return;
   }
-  if (sync && results.size() > 1) {
-    std::printf("\nside by side (mean step, relative to sync):\n");
-    for (const auto& r : results)
-      std::printf("  %-10s %8.3f s  %6.2fx  stall %.3f\n", r.strategy.c_str(), r.step_seconds,
-                  r.step_seconds / sync->step_seconds, r.stall_fraction);
-  }
+  if (base && results.size() > 1) print_side_by_side(results, *base);
 }
 
 }  // namespace
@@ -221,24 +263,30 @@ void add_bench_offload_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--device", f->device, "sim (a modelled device) or cuda[:N] (a GPU: cuBLAS matmuls, real copies)")
       ->capture_default_str();
-  cmd->add_option("--host-memory", f->host_memory, "Pinned host memory for the run (K/M/G)")->capture_default_str();
+  cmd->add_option("--host-memory", f->host_memory,
+                  "Pinned host memory for the run (K/M/G), or auto: what the run needs, if the machine has it")
+      ->capture_default_str();
   cmd->add_option("--nvme-dir", f->nvme_dir, "Keep the optimizer state on NVMe files in this directory");
   cmd->add_option("--optimizer", f->optimizer, "adamw|muon")->capture_default_str();
-  cmd->add_option("--strategy", f->strategy, "sync|pipelined|zenflow, or several comma-separated")
+  cmd->add_option("--strategy", f->strategy,
+                  "zero-offload (alias sync)|zero-infinity (alias pipelined)|zenflow, or several comma-separated")
       ->capture_default_str();
   cmd->add_option("--steps", f->steps, "Training steps")->capture_default_str();
   const CLI::Option* model_flags[] = {
       cmd->add_option("--device-tflops", f->tflops, "Sustained TFLOP/s of the modelled device")->capture_default_str(),
       cmd->add_option("--device-memory", f->device_memory, "Memory of the modelled device")->capture_default_str(),
+      cmd->add_option("--hbm-gbps", f->hbm_gbps, "HBM GB/s of the modelled device (ZenFlow's selective update)")
+          ->capture_default_str(),
       cmd->add_option("--pcie-gbps", f->pcie_gbps, "PCIe GB/s per direction of the modelled device")
           ->capture_default_str(),
       cmd->add_option("--pcie-latency-us", f->pcie_latency_us, "Per-transfer PCIe latency of the modelled device")
           ->capture_default_str(),
   };
   cmd->add_option("--batch-tokens", f->batch_tokens, "Tokens per step")->capture_default_str();
-  cmd->add_option("--update-interval", f->update_interval, "ZenFlow: steps per CPU update window")
+  cmd->add_option("--update-interval", f->update_interval, "ZenFlow: steps per CPU update window, or auto")
       ->capture_default_str();
-  cmd->add_option("--select-interval", f->select_interval, "ZenFlow: steps between selection refreshes");
+  cmd->add_option("--select-interval", f->select_interval,
+                  "ZenFlow: steps between selection refreshes (default: two windows; 8 with auto)");
   cmd->add_option("--topk-ratio", f->topk_ratio, "ZenFlow: share of columns updated on the device")
       ->capture_default_str();
   cmd->add_flag("--no-overlap", f->no_overlap, "ZenFlow: run the CPU step at the boundary, not overlapped");

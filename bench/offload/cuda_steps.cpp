@@ -1,35 +1,29 @@
-// The steps of a run on a CUDA GPU (--device cuda).
+// The CUDA device (--device cuda): a GPU running each step's matmuls for
+// real, for every 2-D weight a token is multiplied by (model_shape::matmuls):
+// one forward GEMM and the two of the backward (the input's and the weight's
+// gradient), bf16 with fp32 accumulation through cuBLAS, over micro-batches
+// of the plan's size: the 6 · weights · tokens FLOPs the simulated device
+// counts. The values are not a model's: activations and weights are scratch
+// buffers, and the gradient the host works with is the same fixed buffer the
+// simulated device hands down. The copies are real: every byte each link
+// carries crosses PCIe.
 //
-// The device runs each step's matmuls for real: for every 2-D weight a token
-// is multiplied by (model_shape::matmuls), one forward GEMM and the two of
-// the backward (the input's and the weight's gradient), bf16 with fp32
-// accumulation through cuBLAS, over micro-batches of the plan's size: the
-// 6 · weights · tokens FLOPs the simulated device counts. The values are not
-// a model's: activations and weights are scratch buffers, and the gradient
-// the host works with is the same fixed buffer the simulated device hands
-// down. The copies are real: every byte each link carries crosses PCIe.
-//
-// Streams: compute (the matmuls), zenflow (ZenFlow's device side: the
-// trainer's stream as cuda_zenflow_device sees it), down (gradients to the
-// host) and up (parameters to the device). Timed events bound each step's
-// matmuls and the device side's update; a step's stall is the compute
-// stream's idle time before it, less the time the device side kept the
-// device busy in it.
-//
-// sync, pipelined: step s's gradient goes down after its matmuls; the host
-//   waits for it, runs the whole optimizer step, and sends every parameter
-//   up; step s+1's matmuls wait for that upload.
-// zenflow: after step s's matmuls the device side updates the columns it
-//   owns (engine::update_device), then step s+1's matmuls are launched
-//   before the host's part of step s runs (engine::step), unless the engine
-//   says the device must wait for it. The device's gradient buffers are
-//   written once (no backward writes them), so step s's gradient can be read
-//   while step s+1 computes; a trainer would keep a second buffer.
+// Streams: compute (the matmuls), side (ZenFlow's device side: the trainer's
+// stream as cuda_zenflow_device sees it), down (the baselines' gradients) and
+// up (their parameters). Timed events bound each step's matmuls and the
+// device side's update after it; the timeline maps them onto the host clock
+// through one origin event. The baselines' gradient of each weight goes down
+// once its last micro-batch's weight-gradient GEMM is done, as the backward
+// goes on (DeepSpeed's overlap of the gradient offload with the backward).
+// ZenFlow's device gradient buffers are written once (no backward writes
+// them), so step s's gradient can be read while step s+1 computes; a trainer
+// keeps a second buffer and names it in gradients_ready().
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <bit>
+#include <functional>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -37,6 +31,7 @@
 #include <vector>
 
 #include "offload/steps.hpp"
+#include "tierflow/core/assert.hpp"
 #include "tierflow/core/cuda_error.hpp"
 #include "tierflow/core/cuda_handles.hpp"
 #include "tierflow/core/error.hpp"
@@ -122,14 +117,22 @@ class model_matmuls {
     fill(w_.get(), largest * 2, pattern);
   }
 
-  void enqueue(cublasHandle_t h) const {
+  // Enqueues one step's matmuls. `gradient_done(i)` (if set) is called once
+  // the weight gradient of matmuls()[i] is complete: after its GEMM in the
+  // last micro-batch.
+  void enqueue(cublasHandle_t h, const std::function<void(std::size_t)>& gradient_done = {}) const {
     const std::uint64_t tokens = plan_.options.batch_tokens, micro = plan_.device_memory.micro_batch_tokens;
     for (std::uint64_t at = 0; at < tokens; at += micro) {
       const int n = static_cast<int>(std::min(micro, tokens - at));
+      const bool last = at + micro >= tokens;
       for (const auto& w : weights_) forward(h, w, n);
-      for (auto it = weights_.rbegin(); it != weights_.rend(); ++it) backward(h, *it, n);
+      for (std::size_t i = weights_.size(); i-- > 0;) {
+        backward(h, weights_[i], n);
+        if (last && gradient_done) gradient_done(i);
+      }
     }
   }
+  const std::vector<weight>& weights() const noexcept { return weights_; }
 
  private:
   // Column-major: W is out × in, X in × n, Y out × n (out = rows, in = cols).
@@ -168,180 +171,220 @@ double seconds_between(const cuda_event& a, const cuda_event& b) {
 }
 
 // A step's events on the device: its matmuls, and (ZenFlow) the device
-// side's update before the next step.
+// side's update after it, with the host times that update was issued between.
 struct step_events {
   cuda_event start = cuda_event::create_timed(), end = cuda_event::create_timed();
   cuda_event side_start = cuda_event::create_timed(), side_end = cuda_event::create_timed();
-  bool side = false;  // the device side ran after this step
+  bool side = false;
+  clock::time_point side_issued_from{}, side_issued_until{};
 };
 
-}  // namespace
+// The model's bf16 parameters and gradients on the device, every sub-group after the last.
+struct device_model_buffers {
+  cuda_device_memory parameters, gradients;
+};
 
-step_loop_output cuda_steps(const step_loop_inputs& in) {
-  const offload_plan& plan = in.plan;
-  const offload_options& o = plan.options;
-  const cuda_device_scope scope(o.cuda_device);
-  step_loop_output out;
-
-  const cuda_stream compute(o.cuda_device), side(o.cuda_device), down(o.cuda_device), up(o.cuda_device);
-  const cublas_handle blas(compute.get());
-
-  // Test data: the fixed gradient, as bf16 (truncated), repeated.
-  std::vector<std::uint16_t> pattern(std::min<std::size_t>(in.gradient.size(), 4u << 20));
-  for (std::size_t i = 0; i < pattern.size(); ++i)
-    pattern[i] = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(in.gradient[i]) >> 16);
-  const model_matmuls matmuls(plan, pattern);
-
-  // The model's bf16 parameters and gradients, every sub-group after the last.
-  auto parameters = cuda_device_memory::allocate(plan.parameter_bytes, cuda_context("cudaMalloc parameters"));
-  auto gradients = cuda_device_memory::allocate(plan.gradient_bytes, cuda_context("cudaMalloc gradients"));
-  fill(gradients.get(), plan.gradient_bytes, pattern);
-
-  std::unique_ptr<optim::cuda_zenflow_device> device_side;
-  std::unique_ptr<zenflow::engine> engine;
-  cuda_pinned_buffer staging_down, staging_up;
-  if (o.strategy == strategy::zenflow) {
-    std::vector<zenflow::weight_shape> shapes;
-    std::vector<optim::cuda_zenflow_weight> tensors;
-    std::size_t at = 0;
-    for (const auto& c : plan.chunks) {
-      shapes.push_back(c.shape);
-      tensors.push_back({static_cast<std::byte*>(parameters.get()) + at,
-                         static_cast<const std::byte*>(gradients.get()) + at});
-      at += c.shape.elements() * 2;
-    }
-    optim::cuda_zenflow_options zo;
-    zo.device = o.cuda_device;
-    zo.compute_type = dtype::bf16;
-    zo.grad_type = dtype::bf16;
-    zo.adam = optim::adam_options::adamw();  // the host side's rule (run.cpp's optim_rule)
-    zo.stream = reinterpret_cast<std::uintptr_t>(side.get());
-    device_side = std::make_unique<optim::cuda_zenflow_device>(shapes, std::move(tensors), zo);
-    for (std::size_t w = 0; w < shapes.size(); ++w) {
-      const std::vector<float> master(shapes[w].elements(), in.initial_parameter);
-      device_side->initialize(w, master);
-    }
-    engine = std::make_unique<zenflow::engine>(plan.zenflow, std::move(shapes), *device_side, *in.host_state, in.rule);
-  } else {
-    staging_down.reserve(plan.gradient_bytes, "gradient staging");
-    staging_up.reserve(plan.parameter_bytes, "parameter staging");
-    std::fill_n(reinterpret_cast<std::uint16_t*>(staging_up.data()), plan.parameter_bytes / 2, pattern[0]);
+class cuda_timeline final : public device_timeline {
+ public:
+  cuda_timeline(const offload_plan& plan, std::span<const float> gradient, float initial_parameter)
+      : plan_(plan), scope_(plan.options.cuda_device), compute_(plan.options.cuda_device),
+        side_(plan.options.cuda_device), down_(plan.options.cuda_device), up_(plan.options.cuda_device),
+        blas_(compute_.get()), pattern_(bf16_pattern(gradient)), matmuls_(plan, pattern_),
+        buffers_{cuda_device_memory::allocate(plan.parameter_bytes, cuda_context("cudaMalloc parameters")),
+                 cuda_device_memory::allocate(plan.gradient_bytes, cuda_context("cudaMalloc gradients"))},
+        events_(plan.options.steps + 1) {
+    fill(buffers_.gradients.get(), plan.gradient_bytes, pattern_);
+    if (plan.options.strategy == strategy::zenflow) make_zenflow_side(initial_parameter);
+    else make_baseline_staging();
+    // The origin: device events and the host clock meet here.
+    TF_CUDA_CHECK(cudaDeviceSynchronize(), cuda_context("cudaDeviceSynchronize"));
+    record(origin_, compute_.get());
+    TF_CUDA_CHECK(cudaEventSynchronize(origin_.get()), cuda_context("cudaEventSynchronize"));
+    origin_time_ = clock::now();
   }
 
-  // The origin: device events and the host clock meet here.
+  void launch(std::uint64_t s) override {
+    wait_for_inputs(s);
+    record(events_[s].start, compute_.get());
+    if (zenflow_side_) {
+      matmuls_.enqueue(blas_.get());
+    } else {
+      matmuls_.enqueue(blas_.get(), [&](std::size_t i) { send_weight_gradient(i); });
+    }
+    record(events_[s].end, compute_.get());
+  }
+  void mark_next_start(std::uint64_t s) override {
+    wait_for_inputs(s);
+    record(events_[s].start, compute_.get());
+  }
+  void receive_gradient(std::uint64_t s) override {
+    // What no matmul produces (1-D weights, position embeddings) after the step.
+    wait(down_.get(), events_[s].end);
+    copy_gradient(matmul_gradient_bytes_, plan_.gradient_bytes - matmul_gradient_bytes_);
+    record(downloaded_, down_.get());
+    TF_CUDA_CHECK(cudaEventSynchronize(downloaded_.get()), cuda_context("cudaEventSynchronize"));
+    d2h_bytes_ += plan_.gradient_bytes;
+  }
+  void send_parameters() override {
+    TF_CUDA_CHECK(cudaMemcpyAsync(buffers_.parameters.get(), staging_up_.data(), plan_.parameter_bytes,
+                                  cudaMemcpyHostToDevice, up_.get()),
+                  cuda_context("cudaMemcpyAsync parameter upload"));
+    record(uploaded_, up_.get());
+    uploads_ += 1;
+    h2d_bytes_ += plan_.parameter_bytes;
+  }
+  zenflow::device_side& zenflow_device() override { return *zenflow_side_; }
+  void order_after_backward(std::uint64_t s) override {
+    // The device side's stream past step s's backward: its gradients are
+    // ready, and their trip down starts on the device side's own D2H stream.
+    wait(side_.get(), events_[s].end);
+    zenflow_side_->gradients_ready();
+  }
+  void begin_side(std::uint64_t s) override {
+    events_[s].side_issued_from = clock::now();
+    record(events_[s].side_start, side_.get());
+  }
+  void end_side(std::uint64_t s) override {
+    record(events_[s].side_end, side_.get());
+    events_[s].side = true;
+    events_[s].side_issued_until = clock::now();
+  }
+  device_timeline_result finish() override;
+
+ private:
+  static std::vector<std::uint16_t> bf16_pattern(std::span<const float> gradient) {
+    // Test data: the fixed gradient, as bf16 (truncated), repeated.
+    std::vector<std::uint16_t> pattern(std::min<std::size_t>(gradient.size(), 4u << 20));
+    for (std::size_t i = 0; i < pattern.size(); ++i)
+      pattern[i] = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(gradient[i]) >> 16);
+    return pattern;
+  }
+  void make_zenflow_side(float initial_parameter);
+  void make_baseline_staging();
+  void wait_for_inputs(std::uint64_t s) {
+    if (zenflow_side_) {
+      record(side_done_, side_.get());
+      wait(compute_.get(), side_done_);
+    } else if (uploads_ > 0) {
+      wait(compute_.get(), uploaded_);  // every parameter back up first
+    }
+    TF_ASSERT(s < events_.size());
+  }
+  void send_weight_gradient(std::size_t i) {
+    record(gradient_ready_, compute_.get());
+    wait(down_.get(), gradient_ready_);
+    copy_gradient(matmul_offsets_[i], matmuls_.weights()[i].elements() * 2);
+  }
+  void copy_gradient(std::uint64_t offset, std::uint64_t bytes) {
+    if (bytes == 0) return;
+    TF_CUDA_CHECK(cudaMemcpyAsync(staging_down_.data() + offset, static_cast<std::byte*>(buffers_.gradients.get()) + offset,
+                                  bytes, cudaMemcpyDeviceToHost, down_.get()),
+                  cuda_context("cudaMemcpyAsync gradient download"));
+  }
+  clock::time_point at(const cuda_event& e) const {
+    return origin_time_ + span_of(seconds_between(origin_, e));
+  }
+  double side_seconds(const step_events& e) const;
+
+  const offload_plan& plan_;
+  const cuda_device_scope scope_;
+  const cuda_stream compute_, side_, down_, up_;
+  const cublas_handle blas_;
+  const std::vector<std::uint16_t> pattern_;
+  const model_matmuls matmuls_;
+  device_model_buffers buffers_;
+  std::vector<step_events> events_;  // one per step, and the step after the last
+  std::unique_ptr<optim::cuda_zenflow_device> zenflow_side_;
+  // The baselines: pinned staging for the gradient and the parameters, each
+  // matmul's gradient at its offset in the gradient buffer.
+  cuda_pinned_buffer staging_down_, staging_up_;
+  std::vector<std::uint64_t> matmul_offsets_;
+  std::uint64_t matmul_gradient_bytes_ = 0;
+  const cuda_event origin_ = cuda_event::create_timed();
+  const cuda_event side_done_ = cuda_event::create(), gradient_ready_ = cuda_event::create();
+  const cuda_event downloaded_ = cuda_event::create(), uploaded_ = cuda_event::create();
+  clock::time_point origin_time_;
+  std::uint64_t uploads_ = 0, d2h_bytes_ = 0, h2d_bytes_ = 0;
+};
+
+void cuda_timeline::make_zenflow_side(float initial_parameter) {
+  std::vector<zenflow::weight_shape> shapes;
+  std::vector<optim::cuda_zenflow_weight> tensors;
+  std::size_t at = 0;
+  for (const auto& c : plan_.chunks) {
+    shapes.push_back(c.shape);
+    tensors.push_back({static_cast<std::byte*>(buffers_.parameters.get()) + at,
+                       static_cast<const std::byte*>(buffers_.gradients.get()) + at});
+    at += c.shape.elements() * 2;
+  }
+  optim::cuda_zenflow_options zo;
+  zo.device = plan_.options.cuda_device;
+  zo.compute_type = dtype::bf16;
+  zo.grad_type = dtype::bf16;
+  zo.adam = optim::adam_options::adamw();  // the host side's rule (run.cpp's optim_rule)
+  zo.stream = reinterpret_cast<std::uintptr_t>(side_.get());
+  zenflow_side_ = std::make_unique<optim::cuda_zenflow_device>(shapes, std::move(tensors), zo);
+  for (std::size_t w = 0; w < shapes.size(); ++w) {
+    const std::vector<float> master(shapes[w].elements(), initial_parameter);
+    zenflow_side_->initialize(w, master);
+  }
+}
+
+void cuda_timeline::make_baseline_staging() {
+  staging_down_.reserve(plan_.gradient_bytes, "gradient staging");
+  staging_up_.reserve(plan_.parameter_bytes, "parameter staging");
+  std::fill_n(reinterpret_cast<std::uint16_t*>(staging_up_.data()), plan_.parameter_bytes / 2, pattern_[0]);
+  for (const auto& w : matmuls_.weights()) {
+    matmul_offsets_.push_back(matmul_gradient_bytes_);
+    matmul_gradient_bytes_ += w.elements() * 2;
+  }
+  TF_ASSERT(matmul_gradient_bytes_ <= plan_.gradient_bytes, "the matmuls' weights are among the parameters");
+}
+
+// The device side's busy time after a step: its events' span, less the part
+// of it the trainer was still issuing the work after the step had ended (a
+// first selection or a refresh reading the state on the host: the device
+// was waiting then, and that is stall).
+double cuda_timeline::side_seconds(const step_events& e) const {
+  if (!e.side) return 0;
+  const double span = seconds_between(e.side_start, e.side_end);
+  const auto issue_from = std::max(e.side_issued_from, at(e.end));
+  const double late = std::max(0.0, bench::seconds_between(issue_from, e.side_issued_until));
+  return std::max(0.0, span - late);
+}
+
+device_timeline_result cuda_timeline::finish() {
   TF_CUDA_CHECK(cudaDeviceSynchronize(), cuda_context("cudaDeviceSynchronize"));
-  const cuda_event origin = cuda_event::create_timed();
-  record(origin, compute.get());
-  TF_CUDA_CHECK(cudaEventSynchronize(origin.get()), cuda_context("cudaEventSynchronize"));
-  const clock::time_point origin_time = clock::now();
-
-  std::vector<step_events> ev(o.steps);
-  std::vector<clock::time_point> host_start(o.steps), host_end(o.steps);
-  auto launch = [&](std::uint64_t s) {
-    record(ev[s].start, compute.get());
-    matmuls.enqueue(blas.get());
-    record(ev[s].end, compute.get());
-  };
-
-  if (engine) {
-    const cuda_event side_done = cuda_event::create();
-    launch(0);
-    for (std::uint64_t s = 0; s < o.steps; ++s) {
-      step_record rec;
-      rec.step = s;
-      // After step s's matmuls: the previous window's result (the trainer
-      // applies it once the backward is done), then the owned columns' update.
-      wait(side.get(), ev[s].end);
-      if (engine->will_update()) {
-        const auto apply_start = clock::now();
-        engine->apply_previous_window();
-        out.events.push_back({"host: apply window", host_track, apply_start, seconds_between(apply_start, clock::now())});
-      }
-      record(ev[s].side_start, side.get());
-      engine->update_device();
-      record(ev[s].side_end, side.get());
-      ev[s].side = true;
-      const bool waits = engine->device_waits_for_step();
-      auto next = [&] {
-        if (s + 1 >= o.steps) return;
-        record(side_done, side.get());
-        wait(compute.get(), side_done);
-        launch(s + 1);
-      };
-      if (!waits) next();
-      host_start[s] = clock::now();
-      rec.boundary = engine->step().update_boundary;
-      host_end[s] = clock::now();
-      if (waits) next();
-      out.steps.push_back(rec);
-    }
-  } else {
-    const cuda_event downloaded = cuda_event::create(), uploaded = cuda_event::create();
-    for (std::uint64_t s = 0; s < o.steps; ++s) {
-      step_record rec;
-      rec.step = s;
-      rec.boundary = true;
-      if (s > 0) wait(compute.get(), uploaded);  // every parameter back up first
-      launch(s);
-      wait(down.get(), ev[s].end);
-      TF_CUDA_CHECK(cudaMemcpyAsync(staging_down.data(), gradients.get(), plan.gradient_bytes,
-                                    cudaMemcpyDeviceToHost, down.get()),
-                    cuda_context("cudaMemcpyAsync gradient download"));
-      record(downloaded, down.get());
-      TF_CUDA_CHECK(cudaEventSynchronize(downloaded.get()), cuda_context("cudaEventSynchronize"));
-      out.d2h_bytes += plan.gradient_bytes;
-      host_start[s] = clock::now();
-      out.optimizer_seconds.push_back(std::chrono::duration<double>(in.optimizer_step()).count());
-      TF_CUDA_CHECK(cudaMemcpyAsync(parameters.get(), staging_up.data(), plan.parameter_bytes,
-                                    cudaMemcpyHostToDevice, up.get()),
-                    cuda_context("cudaMemcpyAsync parameter upload"));
-      record(uploaded, up.get());
-      out.h2d_bytes += plan.parameter_bytes;
-      host_end[s] = clock::now();
-      out.steps.push_back(rec);
-    }
+  device_timeline_result out;
+  const std::uint64_t steps = plan_.options.steps;
+  double compute_total = 0;
+  for (std::uint64_t s = 0; s < steps; ++s) {
+    const step_events& e = events_[s];
+    out.spans.push_back({at(e.start), at(e.end), side_seconds(e)});
+    compute_total += seconds_between(e.start, e.end);
   }
-
-  // The drain: the last window's CPU step and the device's last work.
-  const auto drain_start = clock::now();
-  if (engine) {
-    engine->finish();
-    out.engine_stats = engine->stats();
-  }
-  TF_CUDA_CHECK(cudaDeviceSynchronize(), cuda_context("cudaDeviceSynchronize"));
-  out.drain_seconds = seconds_between(drain_start, clock::now());
-  if (device_side) {
-    const auto t = device_side->traffic();
+  out.next_start = at(events_[steps].start);
+  out.compute_seconds = compute_total / static_cast<double>(steps);
+  out.d2h_bytes = d2h_bytes_;
+  out.h2d_bytes = h2d_bytes_;
+  if (zenflow_side_) {
+    const auto t = zenflow_side_->traffic();
     out.d2h_bytes = t.device_to_host;
     out.h2d_bytes = t.host_to_device;
   }
-
-  // The timeline, read back from the events.
-  auto at = [&](const cuda_event& e) { return origin_time + span_of(seconds_between(origin, e)); };
-  double compute_total = 0;
-  for (std::uint64_t s = 0; s < o.steps; ++s) {
-    step_record& rec = out.steps[s];
-    const cuda_event& previous_end = s ? ev[s - 1].end : origin;
-    const double compute_s = seconds_between(ev[s].start, ev[s].end);
-    const double idle = seconds_between(previous_end, ev[s].start);
-    const double side_busy = s && ev[s - 1].side ? seconds_between(ev[s - 1].side_start, ev[s - 1].side_end) : 0;
-    rec.stall_seconds = std::max(0.0, idle - side_busy);
-    rec.seconds = idle + compute_s;
-    rec.host_seconds = seconds_between(host_start[s], host_end[s]);
-    compute_total += compute_s;
-    if (rec.stall_seconds > 0)
-      out.events.push_back({"stall", stall_track, at(previous_end), rec.stall_seconds});
-    out.events.push_back({"step " + std::to_string(s), device_track, at(ev[s].start), compute_s});
-    out.events.push_back({rec.boundary ? "host: step + update" : "host: accumulate", host_track, host_start[s],
-                          rec.host_seconds});
-  }
-  out.compute_seconds = compute_total / static_cast<double>(o.steps);
-  const double tflops = plan.model.step_flops(o.batch_tokens) / out.compute_seconds / 1e12;
+  const double tflops = plan_.model.step_flops(plan_.options.batch_tokens) / out.compute_seconds / 1e12;
   char line[160];
   std::snprintf(line, sizeof line, "; the model's bf16 matmuls through cuBLAS measured %.0f TFLOP/s, copies real",
                 tflops);
-  out.device_description = plan.device_description + line;
+  out.description = plan_.device_description + line;
   return out;
+}
+
+}  // namespace
+
+std::unique_ptr<device_timeline> make_cuda_timeline(const offload_plan& plan, std::span<const float> gradient,
+                                                    float initial_parameter) {
+  return std::make_unique<cuda_timeline>(plan, gradient, initial_parameter);
 }
 
 }  // namespace tierflow::bench

@@ -12,6 +12,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/units.hpp"
 #include "tierflow/tiers/cuda_probe.hpp"
+#include "tierflow/tiers/topology.hpp"
 
 namespace tierflow::bench {
 namespace {
@@ -43,8 +44,8 @@ void add_vectors(const std::vector<weight>& ws, const std::string& name, std::ve
 
 const char* to_string(strategy s) {
   switch (s) {
-    case strategy::sync: return "sync";
-    case strategy::pipelined: return "pipelined";
+    case strategy::zero_offload: return "zero-offload";
+    case strategy::zero_infinity: return "zero-infinity";
     case strategy::zenflow: return "zenflow";
   }
   return "?";
@@ -53,10 +54,10 @@ const char* to_string(strategy s) {
 const char* to_string(optimizer_kind o) { return o == optimizer_kind::adamw ? "adamw" : "muon"; }
 
 strategy parse_strategy(const std::string& text) {
-  if (text == "sync") return strategy::sync;
-  if (text == "pipelined") return strategy::pipelined;
+  if (text == "zero-offload" || text == "sync") return strategy::zero_offload;
+  if (text == "zero-infinity" || text == "pipelined") return strategy::zero_infinity;
   if (text == "zenflow") return strategy::zenflow;
-  throw user_error("--strategy: '" + text + "' is not sync, pipelined or zenflow");
+  throw user_error("--strategy: '" + text + "' is not zero-offload (sync), zero-infinity (pipelined) or zenflow");
 }
 
 optimizer_kind parse_optimizer(const std::string& text) {
@@ -101,29 +102,38 @@ tiers::gpu find_cuda_device(const offload_options& o) {
 
 }  // namespace
 
-offload_plan make_plan(const offload_options& o) {
-  offload_plan plan;
-  plan.options = o;
+namespace {
+
+void check_flags(const offload_options& o) {
   if (o.steps == 0) throw user_error("--steps: must be at least 1");
   if (o.batch_tokens == 0) throw user_error("--batch-tokens: must be at least 1");
-  if (!(o.device_model.tflops > 0) || !std::isfinite(o.device_model.tflops))
-    throw user_error("--device-tflops: must be a positive number");
-  if (!(o.device_model.pcie_bytes_per_second > 0) || !std::isfinite(o.device_model.pcie_bytes_per_second))
-    throw user_error("--pcie-gbps: must be a positive number");
+  auto positive = [](double v) { return v > 0 && std::isfinite(v); };
+  if (!positive(o.device_model.tflops)) throw user_error("--device-tflops: must be a positive number");
+  if (!positive(o.device_model.hbm_bytes_per_second)) throw user_error("--hbm-gbps: must be a positive number");
+  if (!positive(o.device_model.pcie_bytes_per_second)) throw user_error("--pcie-gbps: must be a positive number");
   if (o.depth < 2) throw user_error("--depth: must be at least 2 (one sub-group updating, one loading)");
   if (o.sub_group_elements < 1024) throw user_error("--sub-group: must be at least 1K elements");
+  if (o.strategy == strategy::zero_infinity && o.nvme_dir.empty())
+    throw user_error("--strategy zero-infinity: swaps the optimizer state from NVMe; give --nvme-dir");
+  // The summary leaves the first window out (warm-up) and needs one more.
+  const std::uint64_t window = o.strategy == strategy::zenflow ? o.update_interval.value_or(1) : 1;
+  if (o.steps < 2 * window)
+    throw user_error("--steps: " + std::to_string(o.steps) + " steps hold fewer than two update windows of " +
+                     std::to_string(window) + "; give at least " + std::to_string(2 * window));
+}
 
-  plan.model = make_model(o.model);
-
-  // ZenFlow's settings go through the same checks a config file's would.
-  plan.zenflow.topk_ratio = o.topk_ratio;
-  plan.zenflow.strategy = zenflow::select_strategy::step;
-  plan.zenflow.update_interval = o.update_interval;
-  plan.zenflow.select_interval = o.select_interval.value_or(100 * o.update_interval);
-  plan.zenflow.overlap_step = o.overlap;
-  plan.zenflow.pt_reserved_cores_perc = o.reserved_cores;
+// ZenFlow's settings, through the same checks a config file's would get.
+zenflow::config zenflow_config(const offload_options& o) {
+  if (o.select_interval == 0u) throw user_error("--select-interval: must be at least 1 (steps between refreshes)");
+  zenflow::config c;
+  c.topk_ratio = o.topk_ratio;
+  c.strategy = zenflow::select_strategy::step;
+  c.update_interval = o.update_interval;
+  c.select_interval = o.select_interval.value_or(o.update_interval ? 2 * *o.update_interval : 8);
+  c.overlap_step = o.overlap;
+  c.pt_reserved_cores_perc = o.reserved_cores;
   try {
-    zenflow::validate(plan.zenflow);
+    zenflow::validate(c);
   } catch (const user_error& e) {
     std::string what = e.what();
     // Name the flags, not the config keys.
@@ -133,87 +143,115 @@ offload_plan make_plan(const offload_options& o) {
     else if (what.starts_with("zenflow.pt_reserved_cores_perc")) what = "--reserved-cores" + what.substr(30);
     throw user_error(what);
   }
+  return c;
+}
 
-  // Sub-groups: every weight, cut along its columns; Muon's hidden matrices whole.
+// Sub-groups: every weight, cut along its columns; Muon's hidden matrices whole.
+std::vector<chunk> cut_into_sub_groups(const model_shape& model, const offload_options& o) {
+  std::vector<chunk> chunks;
   const bool muon = o.optimizer == optimizer_kind::muon;
-  for (const auto& w : plan.model.embedding) add_chunks(w, false, o.sub_group_elements, plan.chunks);
-  for (std::size_t l = 0; l < plan.model.layers.size(); ++l) {
-    for (const auto& w : plan.model.layers[l]) {
-      if (w.matrix()) add_chunks(w, muon, o.sub_group_elements, plan.chunks);
+  for (const auto& w : model.embedding) add_chunks(w, false, o.sub_group_elements, chunks);
+  for (std::size_t l = 0; l < model.layers.size(); ++l) {
+    for (const auto& w : model.layers[l]) {
+      if (w.matrix()) add_chunks(w, muon, o.sub_group_elements, chunks);
     }
-    add_vectors(plan.model.layers[l], "layer" + std::to_string(l) + ".vectors", plan.chunks);
+    add_vectors(model.layers[l], "layer" + std::to_string(l) + ".vectors", chunks);
   }
-  for (const auto& w : plan.model.head) {
-    if (w.matrix()) add_chunks(w, false, o.sub_group_elements, plan.chunks);
+  for (const auto& w : model.head) {
+    if (w.matrix()) add_chunks(w, false, o.sub_group_elements, chunks);
   }
-  add_vectors(plan.model.head, "head.vectors", plan.chunks);
+  add_vectors(model.head, "head.vectors", chunks);
+  return chunks;
+}
 
-  // Host memory: gradient windows and staging first, the stream tier gets the rest.
-  const std::uint64_t states = muon ? 2 : 3;  // master + moments (AdamW: 2, Muon: momentum)
-  std::uint64_t largest = 0, total = 0, elements = 0;
-  std::uint64_t largest_elements = 0, matrix_elements = 0, vector_elements = 0;
-  for (const auto& c : plan.chunks) {
+struct state_totals {
+  std::uint64_t state_bytes = 0, largest_sub_group = 0;  // master + state, aligned per block
+  std::uint64_t elements = 0, largest_elements = 0, matrix_elements = 0, vector_elements = 0;
+};
+
+state_totals count_state(const std::vector<chunk>& chunks, optimizer_kind optimizer) {
+  state_totals t;
+  for (const auto& c : chunks) {
     const std::uint64_t n = c.shape.elements();
-    // AdamW chunks inside a Muon run still keep two moments.
-    const std::uint64_t k = (muon && !c.muon) ? 3 : states;
-    const std::uint64_t bytes = k * aligned_size(n * sizeof(float));
-    largest = std::max(largest, bytes);
-    total += bytes;
-    elements += n;
-    largest_elements = std::max(largest_elements, n);
-    (c.shape.matrix() ? matrix_elements : vector_elements) += n;
+    // Master + moments (AdamW: 2; Muon: momentum); AdamW chunks of a Muon run keep two.
+    const std::uint64_t blocks = (optimizer == optimizer_kind::muon && c.muon) ? 2 : 3;
+    const std::uint64_t bytes = blocks * aligned_size(n * sizeof(float));
+    t.largest_sub_group = std::max(t.largest_sub_group, bytes);
+    t.state_bytes += bytes;
+    t.elements += n;
+    t.largest_elements = std::max(t.largest_elements, n);
+    (c.shape.matrix() ? t.matrix_elements : t.vector_elements) += n;
   }
-  plan.memory.state_bytes = total;
-  plan.memory.largest_sub_group = largest;
-  plan.gradient_bytes = 2 * elements;
-  plan.parameter_bytes = 2 * elements;
-  plan.memory.gradient_staging = aligned_size(largest_elements * sizeof(float));
-  if (o.strategy == strategy::zenflow) {
-    plan.memory.accumulators = (o.overlap ? 2 : 1) * matrix_elements * sizeof(float);
-  }
-  const std::uint64_t fixed = plan.memory.accumulators + plan.memory.gradient_staging;
-  const std::uint64_t minimum_stream = o.depth * largest + (1u << 20);
-  if (o.host_memory < fixed + minimum_stream) {
-    throw user_error("--host-memory: " + format_bytes(static_cast<double>(o.host_memory)) + " cannot hold " +
-                     (plan.memory.accumulators ? "the gradient windows (" +
-                                                     format_bytes(static_cast<double>(plan.memory.accumulators)) + ") and " : std::string()) +
-                     std::to_string(o.depth) + " sub-groups of " + format_bytes(static_cast<double>(largest)) +
-                     "; it needs at least " + format_bytes(static_cast<double>(fixed + minimum_stream)) +
-                     " (or a smaller --sub-group)");
-  }
-  plan.memory.stream_tier = o.host_memory - fixed;
-  plan.memory.state_on_nvme = !o.nvme_dir.empty();
-  if (plan.memory.state_on_nvme) {
-    struct statvfs fs{};
-    if (::statvfs(o.nvme_dir.c_str(), &fs) != 0)
-      throw user_error("--nvme-dir: cannot use '" + o.nvme_dir + "': " + std::strerror(errno));
-    const std::uint64_t free = static_cast<std::uint64_t>(fs.f_bavail) * fs.f_frsize;
-    if (free < total + nvme_slack)
-      throw user_error("--nvme-dir: '" + o.nvme_dir + "' has " + format_bytes(static_cast<double>(free)) +
-                       " free; the optimizer state needs " + format_bytes(static_cast<double>(total + nvme_slack)));
-  }
-  if (!plan.memory.state_on_nvme && total > plan.memory.stream_tier) {
-    throw user_error("--host-memory: the optimizer state (" + format_bytes(static_cast<double>(total)) +
-                     ") does not fit in the " + format_bytes(static_cast<double>(plan.memory.stream_tier)) +
-                     " left for it; give --nvme-dir to keep it on NVMe, or at least " +
-                     format_bytes(static_cast<double>(total + fixed)) + " of --host-memory");
-  }
+  return t;
+}
 
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  plan.optimizer_threads =
-      o.threads ? o.threads
-                : std::max(1u, static_cast<unsigned>(std::lround(cores * (1.0 - o.reserved_cores))));
-  plan.step_compute_seconds = o.device_model.compute_seconds(plan.model.step_flops(o.batch_tokens));
+std::string bytes_text(std::uint64_t bytes) { return format_bytes(static_cast<double>(bytes)); }
 
-  // The device: what it must hold, against what it has.
+void check_nvme_space(const std::string& dir, std::uint64_t state_bytes) {
+  struct statvfs fs{};
+  if (::statvfs(dir.c_str(), &fs) != 0)
+    throw user_error("--nvme-dir: cannot use '" + dir + "': " + std::strerror(errno));
+  const std::uint64_t free = static_cast<std::uint64_t>(fs.f_bavail) * fs.f_frsize;
+  if (free < state_bytes + nvme_slack)
+    throw user_error("--nvme-dir: '" + dir + "' has " + bytes_text(free) + " free; the optimizer state needs " +
+                     bytes_text(state_bytes + nvme_slack));
+}
+
+// Host memory: gradient windows and staging first, the stream tier gets the
+// rest. Without --host-memory the run takes what it needs, if the machine
+// has that much available.
+void plan_host_memory(offload_plan& plan, const state_totals& t) {
+  const offload_options& o = plan.options;
+  memory_plan& m = plan.memory;
+  m.state_bytes = t.state_bytes;
+  m.largest_sub_group = t.largest_sub_group;
+  m.state_on_nvme = o.strategy == strategy::zero_infinity || (o.strategy == strategy::zenflow && !o.nvme_dir.empty());
+  m.gradient_staging = aligned_size(t.largest_elements * sizeof(float));
+  if (o.strategy == strategy::zenflow) m.accumulators = (o.overlap ? 2 : 1) * t.matrix_elements * sizeof(float);
+  const std::uint64_t fixed = m.accumulators + m.gradient_staging;
+  const std::uint64_t minimum_stream = o.depth * t.largest_sub_group + (1u << 20);
+  const std::uint64_t needed = fixed + (m.state_on_nvme ? minimum_stream : std::max(minimum_stream, t.state_bytes));
+  if (!o.host_memory) {
+    const std::uint64_t available = tiers::probe_host().available_memory_bytes;
+    if (needed > available)
+      throw user_error("--host-memory: this run needs " + bytes_text(needed) + " and the machine has " +
+                       bytes_text(available) + " available; give --nvme-dir, a smaller --model or --host-memory");
+  }
+  plan.host_memory = o.host_memory.value_or(needed);
+  if (plan.host_memory < fixed + minimum_stream) {
+    throw user_error("--host-memory: " + bytes_text(plan.host_memory) + " cannot hold " +
+                     (m.accumulators ? "the gradient windows (" + bytes_text(m.accumulators) + ") and "
+                                     : std::string()) +
+                     std::to_string(o.depth) + " sub-groups of " + bytes_text(t.largest_sub_group) +
+                     "; it needs at least " + bytes_text(fixed + minimum_stream) + " (or a smaller --sub-group)");
+  }
+  m.stream_tier = plan.host_memory - fixed;
+  if (m.state_on_nvme) check_nvme_space(o.nvme_dir, t.state_bytes);
+  if (!m.state_on_nvme && t.state_bytes > m.stream_tier) {
+    throw user_error("--host-memory: the optimizer state (" + bytes_text(t.state_bytes) + ") does not fit in the " +
+                     bytes_text(m.stream_tier) + " left for it; " +
+                     (o.strategy == strategy::zenflow ? "give --nvme-dir to keep it on NVMe, or " : "") +
+                     "at least " + bytes_text(t.state_bytes + fixed) + " of --host-memory");
+  }
+}
+
+std::string cuda_description(const tiers::gpu& g) {
+  return "CUDA device " + std::to_string(g.index) + ": " + g.name + " (sm_" +
+         std::to_string(g.compute_capability_major) + std::to_string(g.compute_capability_minor) + ", " +
+         bytes_text(g.memory_bytes) + ", " + std::to_string(g.copy_engines) + " copy engines)";
+}
+
+// The device: what it must hold, against what it has.
+void plan_device(offload_plan& plan, const state_totals& t) {
+  const offload_options& o = plan.options;
   device_memory_plan& dm = plan.device_memory;
   dm.parameters = plan.parameter_bytes;
   dm.gradients = plan.gradient_bytes;
   if (o.strategy == strategy::zenflow) {
-    const auto selected = static_cast<std::uint64_t>(std::ceil(o.topk_ratio * static_cast<double>(matrix_elements)));
+    const auto selected = static_cast<std::uint64_t>(std::ceil(o.topk_ratio * static_cast<double>(t.matrix_elements)));
     // fp32 master and two moments of what the device owns, and a bf16
     // staging copy of every 2-D weight for the windows' uploads.
-    dm.zenflow_state = 12 * (selected + vector_elements) + 2 * matrix_elements;
+    dm.zenflow_state = 12 * (selected + t.vector_elements) + 2 * t.matrix_elements;
   }
   std::uint64_t widest = 0, largest_matrix = 0;
   for (const auto& w : plan.model.matmuls()) {
@@ -224,32 +262,48 @@ offload_plan make_plan(const offload_options& o) {
   dm.working_set = 2 * (2 * dm.micro_batch_tokens * widest) + 2 * (2 * largest_matrix);  // bf16
   std::uint64_t device_bytes = o.device_model.memory_bytes;
   const char* memory_flag = "--device-memory";
+  plan.device_description = o.device_model.describe();
   if (o.device == device_kind::cuda) {
     if (o.strategy == strategy::zenflow && o.optimizer == optimizer_kind::muon)
       throw user_error("--device cuda: ZenFlow with Muon runs on the simulated device only; the CUDA device side "
-                       "updates with Adam/AdamW (use --optimizer adamw, or --strategy sync or pipelined)");
+                       "updates with Adam/AdamW (use --optimizer adamw, or --strategy zero-offload or zero-infinity)");
     const tiers::gpu g = find_cuda_device(o);
     device_bytes = g.memory_bytes;
     memory_flag = "--device cuda";
-    plan.device_description = "CUDA device " + std::to_string(g.index) + ": " + g.name + " (sm_" +
-                              std::to_string(g.compute_capability_major) +
-                              std::to_string(g.compute_capability_minor) + ", " +
-                              format_bytes(static_cast<double>(g.memory_bytes)) + ", " +
-                              std::to_string(g.copy_engines) + " copy engines)";
-  } else {
-    plan.device_description = o.device_model.describe();
+    plan.device_description = cuda_description(g);
   }
   if (dm.total() > device_bytes) {
-    throw user_error(std::string(memory_flag) + ": the device's " + format_bytes(static_cast<double>(device_bytes)) +
-                     " cannot hold the bf16 parameters and gradients (" +
-                     format_bytes(static_cast<double>(dm.parameters + dm.gradients)) + ")" +
-                     (dm.zenflow_state ? ", ZenFlow's device state (" +
-                                             format_bytes(static_cast<double>(dm.zenflow_state)) + ")"
-                                       : std::string()) +
+    throw user_error(std::string(memory_flag) + ": the device's " + bytes_text(device_bytes) +
+                     " cannot hold the bf16 parameters and gradients (" + bytes_text(dm.parameters + dm.gradients) +
+                     ")" + (dm.zenflow_state ? ", ZenFlow's device state (" + bytes_text(dm.zenflow_state) + ")"
+                                             : std::string()) +
                      " and one layer's working set at " + std::to_string(dm.micro_batch_tokens) + " tokens (" +
-                     format_bytes(static_cast<double>(dm.working_set)) + "); it needs at least " +
-                     format_bytes(static_cast<double>(dm.total())));
+                     bytes_text(dm.working_set) + "); it needs at least " + bytes_text(dm.total()));
   }
+}
+
+}  // namespace
+
+offload_plan make_plan(const offload_options& o) {
+  offload_plan plan;
+  plan.options = o;
+  check_flags(o);
+  plan.model = make_model(o.model);
+  plan.zenflow = zenflow_config(o);
+  plan.chunks = cut_into_sub_groups(plan.model, o);
+  const state_totals totals = count_state(plan.chunks, o.optimizer);
+  plan.gradient_bytes = 2 * totals.elements;
+  plan.parameter_bytes = 2 * totals.elements;
+  plan_host_memory(plan, totals);
+
+  // DeepSpeed's CPU Adam runs on every core; ZenFlow leaves the trainer its share.
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const unsigned unreserved = std::max(1u, static_cast<unsigned>(std::lround(cores * (1.0 - o.reserved_cores))));
+  plan.optimizer_threads = o.threads ? o.threads : o.strategy == strategy::zenflow ? unreserved : cores;
+  plan.step_compute_seconds = o.device_model.compute_seconds(plan.model.step_flops(o.batch_tokens));
+  plan_device(plan, totals);
+  plan.last_backward_seconds =
+      o.device_model.compute_seconds(plan.model.step_flops(plan.device_memory.micro_batch_tokens)) * 4.0 / 6.0;
   return plan;
 }
 

@@ -14,24 +14,33 @@
 
 namespace tierflow::bench {
 
-enum class strategy { sync, pipelined, zenflow };
+// What is modelled, by the name users know it under:
+//   zero_offload:  DeepSpeed's ZeRO-Offload — the gradient goes down while the
+//                  backward runs, CPU Adam on every core once it has ended, the
+//                  updated parameters go back up after; the state in host memory;
+//   zero_infinity: the same with the state swapped from NVMe by DeepSpeed's
+//                  pipelined read and write (read(i+1) ‖ update(i) ‖ write(i-1));
+//   zenflow:       selective device updates, the rest in asynchronous windows.
+enum class strategy { zero_offload, zero_infinity, zenflow };
 enum class device_kind { sim, cuda };
 enum class optimizer_kind { adamw, muon };
 
 struct offload_options {
-  std::string model = "gpt2-medium";
+  std::string model = "gpt2-small";
   device_kind device = device_kind::sim;
   int cuda_device = 0;                           // --device cuda:N
-  std::uint64_t host_memory = 2ull << 30;
+  std::optional<std::uint64_t> host_memory;      // nullopt: what the run needs, if the machine has it
   std::string nvme_dir;  // empty: the state stays in host memory (it must fit)
   optimizer_kind optimizer = optimizer_kind::adamw;
   bench::strategy strategy = strategy::zenflow;
   std::uint64_t steps = 12;
   sim_device device_model;
-  std::uint64_t batch_tokens = 16384;
-  std::uint64_t update_interval = 4;
+  std::uint64_t batch_tokens = 65536;
+  std::optional<std::uint64_t> update_interval = 4;  // nullopt: "auto" (the engine's trigger)
   double topk_ratio = 0.1;
-  std::optional<std::uint64_t> select_interval;  // default: 100 windows (refreshes are rare)
+  // Default: two windows (8 steps with "auto"), so a default run refreshes
+  // the selection once and pays its pass over the state in its summary.
+  std::optional<std::uint64_t> select_interval;
   bool overlap = true;                           // zenflow's overlap_step
   double reserved_cores = 0.5;                   // pt_reserved_cores_perc
   unsigned threads = 0;                          // optimizer threads; 0: from reserved_cores
@@ -40,9 +49,12 @@ struct offload_options {
   std::string trace_path;                        // Perfetto trace; empty: none
 };
 
+// The printed and JSON name: "zero-offload", "zero-infinity", "zenflow".
 const char* to_string(strategy s);
 const char* to_string(optimizer_kind o);
-strategy parse_strategy(const std::string& text);        // throws user_error naming --strategy
+// Also takes "sync" (zero-offload) and "pipelined" (zero-infinity); throws
+// user_error naming --strategy.
+strategy parse_strategy(const std::string& text);
 optimizer_kind parse_optimizer(const std::string& text);  // throws user_error naming --optimizer
 // "sim", "cuda" or "cuda:N"; throws user_error naming --device.
 void parse_device(const std::string& text, offload_options& into);
@@ -84,8 +96,12 @@ struct offload_plan {
   device_memory_plan device_memory;
   std::string device_description;  // the modelled device, or the CUDA device found
   zenflow::config zenflow;  // for strategy::zenflow
-  unsigned optimizer_threads = 1;
+  unsigned optimizer_threads = 1;   // zero-offload, zero-infinity: every core; zenflow: the unreserved share
+  std::uint64_t host_memory = 0;    // as given, or what the run needs
   double step_compute_seconds = 0;  // modelled device compute per step
+  // Modelled: the backward of the last micro-batch, which the baselines'
+  // gradient download overlaps (4 of the 6 FLOPs per parameter and token).
+  double last_backward_seconds = 0;
   std::uint64_t gradient_bytes = 0;  // bf16 gradient of every parameter: what goes device → host
   std::uint64_t parameter_bytes = 0;  // bf16 parameters: what goes host → device
 };

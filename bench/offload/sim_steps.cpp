@@ -1,44 +1,45 @@
-// The steps of a run on the simulated device (--device sim).
+// The simulated device (--device sim): a timeline anchored to the wall clock.
 //
-// The device is a timeline anchored to the wall clock. Step s starts when the
-// device is free and its inputs are ready; it computes for the modelled time,
-// then its gradient goes down the D2H link. The host thread waits for that
-// gradient, does the strategy's host work for real, and the time it finishes
-// decides when later steps may start:
-//   sync, pipelined: step s+1 needs the whole optimizer step and the upload of
-//                    every parameter (ZeRO-Offload / ZeRO-Infinity);
-//   zenflow:         step s+1 needs the host only when the engine says the
-//                    device must wait for it (device_waits_for_step: a
-//                    refresh, a window applied at once); at other update
-//                    boundaries the previous window's upload; otherwise only
-//                    that the host has consumed the gradient of step s-1 (two
-//                    pinned staging buffers).
+// A step starts when the device is free, its inputs have arrived and the
+// trainer has issued it; it computes for the modelled time. Transfers queue
+// on their PCIe direction at the modelled rate and latency; a call that
+// waits for one on a GPU (a download, ZenFlow's uploads and hand-overs,
+// which cuda_zenflow_device synchronises) sleeps until it has arrived, so
+// the host's real work meets the modelled device as a trainer's would.
+// ZenFlow's selective update and its window copies take device time at the
+// modelled HBM bandwidth after the step's backward, before the next step.
+// Bytes are counted as the CUDA path counts them.
 #include <algorithm>
 #include <cmath>
-#include <map>
 #include <mutex>
+#include <numbers>
 #include <thread>
 #include <utility>
 
 #include "offload/steps.hpp"
+#include "tierflow/core/assert.hpp"
 
 namespace tierflow::bench {
 namespace {
 
 using clock = offload_clock;
 
-// The simulated device's PCIe host → device link: transfers queue one after
-// another at the modelled rate. Thread-safe (the CPU step uploads from its thread).
-class upload_link {
+// One direction of the modelled PCIe link: transfers queue one after another.
+// Thread-safe (the CPU step uploads from its own thread).
+class pcie_direction {
  public:
-  explicit upload_link(const sim_device& model) : model_(model) {}
-  // Queues `bytes`; returns when they will have arrived.
-  clock::time_point send(std::uint64_t bytes) {
+  explicit pcie_direction(const sim_device& model) : model_(model) {}
+  // Queues `bytes`, to start no earlier than `not_before`; returns when they will have arrived.
+  clock::time_point send(std::uint64_t bytes, clock::time_point not_before = {}) {
     std::lock_guard lock(mutex_);
-    const auto start = std::max(clock::now(), free_at_);
+    const auto start = std::max({clock::now(), free_at_, not_before});
     free_at_ = start + span_of(model_.transfer_seconds(bytes));
     bytes_ += bytes;
     return free_at_;
+  }
+  void count(std::uint64_t bytes) {
+    std::lock_guard lock(mutex_);
+    bytes_ += bytes;
   }
   std::uint64_t bytes() const {
     std::lock_guard lock(mutex_);
@@ -52,167 +53,188 @@ class upload_link {
   std::uint64_t bytes_ = 0;
 };
 
-// ZenFlow's device side, simulated: no device memory, only time and bytes on
-// the modelled link. The gradient it hands down is a fixed random buffer, so
-// the host's accumulation reads real bytes.
-class sim_device_side final : public zenflow::device_side {
- public:
-  sim_device_side(const offload_plan& plan, upload_link& link, std::span<const float> gradient)
-      : plan_(plan), link_(link), gradient_(gradient), uploaded_at_(plan.chunks.size()) {}
+// A standard normal value fixed by `key`: two hashed uniforms, Box–Muller.
+double normal_of(std::uint64_t key) {
+  auto mix = [](std::uint64_t h) {
+    h ^= h >> 31;
+    h *= 0x94D049BB133111EBull;
+    h ^= h >> 29;
+    h *= 0xBF58476D1CE4E5B9ull;
+    return h ^ (h >> 32);
+  };
+  const double u1 = (static_cast<double>(mix(key) >> 11) + 0.5) * 0x1p-53;
+  const double u2 = static_cast<double>(mix(key ^ 0x9E3779B97F4A7C15ull) >> 11) * 0x1p-53;
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+}
 
-  void column_importance(std::size_t w, zenflow::importance_norm, std::span<float> out) override {
-    // Heavy-tailed scores that drift between refreshes: a few columns matter.
-    ++calls_;
+// ZenFlow's device side, simulated: no device memory, only time and bytes.
+// The gradient it hands down is a fixed random buffer, so the host's
+// accumulation reads real bytes.
+class sim_zenflow_device final : public zenflow::device_side {
+ public:
+  sim_zenflow_device(const offload_plan& plan, pcie_direction& down, pcie_direction& up,
+                     std::span<const float> gradient)
+      : plan_(plan), model_(plan.options.device_model), down_(down), up_(up), gradient_(gradient),
+        selected_columns_(plan.chunks.size(), 0) {
+    // The first upload, as cuda_zenflow_device::initialize counts it: every
+    // weight's compute copy (bf16) and the 1-D weights' fp32 masters.
+    for (const auto& c : plan.chunks) up_.count(c.shape.elements() * (c.shape.matrix() ? 2 : 6));
+  }
+
+  // The step whose gradient the device holds, and when its backward ends.
+  void set_step(std::uint64_t step, clock::time_point backward_end) {
+    step_ = step;
+    backward_end_ = backward_end;
+  }
+
+  // Column importances, log-normal: ln of a column's squared gradient norm
+  // is sigma·z with sigma = 3.65, so the top 1% of columns carry 90% of the
+  // squared norm. z mixes a draw fixed per column with one redrawn every
+  // step (correlation 0.9 between any two steps): a stable core of important
+  // columns and churn at its edge. l1 scores a column by its norm, l2 by its
+  // squared norm.
+  void column_importance(std::size_t w, zenflow::importance_norm norm, std::span<float> out) override {
+    constexpr double sigma = 3.65, kept = 0.9;
+    const double exponent = norm == zenflow::importance_norm::l2 ? sigma : sigma / 2;
     for (std::size_t c = 0; c < out.size(); ++c) {
-      std::uint64_t h = (w + 1) * 0x9E3779B97F4A7C15ull ^ (c * 0xBF58476D1CE4E5B9ull) ^ (calls_ / 8);
-      h ^= h >> 31;
-      h *= 0x94D049BB133111EBull;
-      h ^= h >> 29;
-      const double u = static_cast<double>(h >> 11) * 0x1p-53;
-      out[c] = static_cast<float>(std::pow(u, 8.0));
+      const std::uint64_t column = (static_cast<std::uint64_t>(w) << 32) ^ c;
+      const double z = std::sqrt(kept) * normal_of(column * 0x9E3779B97F4A7C15ull) +
+                       std::sqrt(1 - kept) * normal_of(column * 0xD1B54A32D192ED03ull + step_ + 1);
+      out[c] = static_cast<float>(std::exp(exponent * z));
     }
+    arrive(down_.send(out.size() * sizeof(float), backward_end_));
   }
   void update_owned(std::size_t w, std::int64_t) override {
-    // The selected columns' Adam on the device: memory-bound at HBM speed
-    // (read p, g, m, v; write p, m, v, and the bf16 copy), 3 TB/s.
-    device_bytes_ += selected_elements(w) * 30;
+    // Adam over the owned elements, memory-bound: read the fp32 master and
+    // moments and the bf16 gradient, write the three and the bf16 copy.
+    add_device_bytes(owned_elements(w) * 28);
   }
   std::span<const float> download_gradient(std::size_t w) override {
-    return gradient_.first(static_cast<std::size_t>(plan_.chunks[w].shape.elements()));
+    const std::uint64_t n = plan_.chunks[w].shape.elements();
+    arrive(down_.send(n * 2, backward_end_));  // bf16, the whole weight
+    return gradient_.first(static_cast<std::size_t>(n));
   }
   void stage_upload(std::size_t w, std::span<const zenflow::column_run> runs, std::span<const float>) override {
-    std::uint64_t columns = 0;
-    for (const auto r : runs) columns += r.end - r.begin;
-    const auto arrived = link_.send(columns * plan_.chunks[w].shape.rows * 2);  // bf16
-    std::lock_guard lock(mutex_);
-    uploaded_at_[w] = arrived;
+    if (runs.empty()) return;
+    // One bf16 copy over the span the runs cover, and the columns' indices.
+    const std::uint64_t rows = plan_.chunks[w].shape.rows;
+    arrive(up_.send((runs.back().end - runs.front().begin) * rows * 2 + columns_in(runs) * 4));
   }
-  void apply_staged(std::size_t w, std::span<const zenflow::column_run>) override {
-    std::lock_guard lock(mutex_);
-    ready_at_ = std::max(ready_at_, uploaded_at_[w]);
+  void apply_staged(std::size_t w, std::span<const zenflow::column_run> runs) override {
+    add_device_bytes(columns_in(runs) * plan_.chunks[w].shape.rows * 4);  // a bf16 copy: read and write
   }
   void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const zenflow::selection_change& change,
                  const zenflow::host_buffers&) override {
-    selected_[w] = selected.size();
-    // Master and two moments of each column crossing, fp32, over the link.
-    link_.send((change.entering.size() + change.leaving.size()) * plan_.chunks[w].shape.rows * 12);
+    const std::uint64_t rows = plan_.chunks[w].shape.rows, slots = selected.size();
+    // Up, one copy laid out as cuda_zenflow_device lays it out: the entering
+    // columns' master and moments (fp32), then each slot's source, the
+    // leaving slots and the selection; down: the leaving columns' three planes.
+    auto align = [](std::uint64_t n) { return (n + 15) / 16 * 16; };
+    const std::uint64_t sources_at = align(3 * change.entering.size() * rows * 4);
+    const std::uint64_t leaving_at = align(sources_at + slots * 8);
+    const std::uint64_t columns_at = align(leaving_at + change.leaving.size() * 8);
+    const auto up_done = up_.send(columns_at + slots * 4);
+    const auto down_done = down_.send(3 * change.leaving.size() * rows * 4);
+    arrive(std::max(up_done, down_done) + span_of(model_.hbm_seconds(slots * rows * 24)));  // and the repack
+    std::lock_guard lock(mutex_);
+    selected_columns_[w] = slots;
   }
 
-  // Device seconds of the selective updates since the last call.
+  // Device seconds of the side's work since the last call.
   double take_device_seconds() {
-    const double s = static_cast<double>(device_bytes_) / 3e12;
-    device_bytes_ = 0;
-    return s;
-  }
-  // When the uploads of the windows applied since the last call arrive.
-  clock::time_point take_ready_at() {
     std::lock_guard lock(mutex_);
-    return std::exchange(ready_at_, clock::time_point{});
+    return model_.hbm_seconds(std::exchange(device_bytes_, 0));
   }
 
  private:
-  std::uint64_t selected_elements(std::size_t w) const {
-    const auto it = selected_.find(w);
+  static void arrive(clock::time_point when) { std::this_thread::sleep_until(when); }
+  static std::uint64_t columns_in(std::span<const zenflow::column_run> runs) {
+    std::uint64_t n = 0;
+    for (const auto run : runs) n += run.end - run.begin;
+    return n;
+  }
+  std::uint64_t owned_elements(std::size_t w) {
     const auto& shape = plan_.chunks[w].shape;
-    if (!shape.matrix()) return shape.elements();
-    return it == selected_.end() ? 0 : it->second * shape.rows;
+    std::lock_guard lock(mutex_);
+    return shape.matrix() ? selected_columns_[w] * shape.rows : shape.elements();
+  }
+  void add_device_bytes(std::uint64_t bytes) {
+    std::lock_guard lock(mutex_);
+    device_bytes_ += bytes;
   }
 
   const offload_plan& plan_;
-  upload_link& link_;
+  const sim_device& model_;
+  pcie_direction& down_;
+  pcie_direction& up_;
   std::span<const float> gradient_;
-  std::uint64_t calls_ = 0;
-  std::uint64_t device_bytes_ = 0;
-  std::map<std::size_t, std::size_t> selected_;
+  std::uint64_t step_ = 0;
+  clock::time_point backward_end_{};
   std::mutex mutex_;
-  std::vector<clock::time_point> uploaded_at_;
-  clock::time_point ready_at_{};
+  std::vector<std::uint64_t> selected_columns_;  // per weight
+  std::uint64_t device_bytes_ = 0;
+};
+
+class sim_timeline final : public device_timeline {
+ public:
+  sim_timeline(const offload_plan& plan, std::span<const float> gradient)
+      : plan_(plan), down_(plan.options.device_model), up_(plan.options.device_model),
+        zenflow_(plan, down_, up_, gradient) {
+    result_.description = plan.options.device_model.describe();
+    result_.compute_seconds = plan.step_compute_seconds;
+  }
+
+  void launch(std::uint64_t s) override {
+    TF_ASSERT(s == result_.spans.size(), "steps are launched in order");
+    const auto start = could_start();
+    result_.spans.push_back({start, start + span_of(plan_.step_compute_seconds), 0});
+    device_free_ = result_.spans.back().end;
+  }
+  void mark_next_start(std::uint64_t s) override {
+    TF_ASSERT(s == result_.spans.size());
+    result_.next_start = could_start();
+  }
+  void receive_gradient(std::uint64_t s) override {
+    // Sent as the last backward produces it: it ends with the backward, or
+    // a transfer after the backward began, whichever is later.
+    const step_span& span = result_.spans.at(s);
+    const auto backward_start = span.end - span_of(plan_.last_backward_seconds);
+    const auto arrived = down_.send(plan_.gradient_bytes, backward_start);
+    std::this_thread::sleep_until(std::max(arrived, span.end));
+  }
+  void send_parameters() override { parameters_at_ = up_.send(plan_.parameter_bytes); }
+  zenflow::device_side& zenflow_device() override { return zenflow_; }
+  void order_after_backward(std::uint64_t s) override { zenflow_.set_step(s, result_.spans.at(s).end); }
+  void begin_side(std::uint64_t s) override { std::this_thread::sleep_until(result_.spans.at(s).end); }
+  void end_side(std::uint64_t s) override {
+    // Issued once the trainer's update_device() returned: a first selection's
+    // hand-over holds it up, as on a GPU.
+    step_span& span = result_.spans.at(s);
+    const double busy = zenflow_.take_device_seconds();
+    device_free_ = std::max(span.end, clock::now()) + span_of(busy);
+    span.side_seconds = busy;
+  }
+  device_timeline_result finish() override {
+    result_.d2h_bytes = down_.bytes();
+    result_.h2d_bytes = up_.bytes();
+    return std::move(result_);
+  }
+
+ private:
+  clock::time_point could_start() const { return std::max({device_free_, parameters_at_, clock::now()}); }
+
+  const offload_plan& plan_;
+  pcie_direction down_, up_;
+  sim_zenflow_device zenflow_;
+  device_timeline_result result_;
+  clock::time_point device_free_ = clock::now();
+  clock::time_point parameters_at_{};
 };
 
 }  // namespace
 
-step_loop_output simulate_steps(const step_loop_inputs& in) {
-  const offload_plan& plan = in.plan;
-  const offload_options& o = plan.options;
-  step_loop_output out;
-  out.device_description = o.device_model.describe();
-  out.compute_seconds = plan.step_compute_seconds;
-  upload_link h2d(o.device_model);
-
-  std::unique_ptr<sim_device_side> device;
-  std::unique_ptr<zenflow::engine> engine;
-  if (o.strategy == strategy::zenflow) {
-    device = std::make_unique<sim_device_side>(plan, h2d, in.gradient);
-    std::vector<zenflow::weight_shape> shapes;
-    for (const auto& c : plan.chunks) shapes.push_back(c.shape);
-    engine = std::make_unique<zenflow::engine>(plan.zenflow, std::move(shapes), *device, *in.host_state, in.rule);
-  }
-
-  clock::time_point device_free = clock::now();
-  clock::time_point d2h_free = device_free;
-  clock::time_point params_ready = device_free;
-  std::vector<clock::time_point> host_done;
-  double device_extra = 0;
-  for (std::uint64_t s = 0; s < o.steps; ++s) {
-    const auto start = std::max(device_free, params_ready);
-    step_record rec;
-    rec.step = s;
-    rec.stall_seconds = std::max(0.0, seconds_between(device_free, start));
-    const auto compute_end = start + span_of(plan.step_compute_seconds + device_extra);
-    rec.seconds = seconds_between(device_free, compute_end);
-    if (rec.stall_seconds > 0) out.events.push_back({"stall", stall_track, device_free, rec.stall_seconds});
-    out.events.push_back({"step " + std::to_string(s), device_track, start, seconds_between(start, compute_end)});
-    device_free = compute_end;
-    // The gradient goes down on the D2H copy engine, overlapping later compute.
-    d2h_free = std::max(compute_end, d2h_free) + span_of(o.device_model.transfer_seconds(plan.gradient_bytes));
-    out.d2h_bytes += plan.gradient_bytes;
-    // While the device computes step s: a boundary step needs the previous
-    // window's result applied before step s+1; the trainer does that during
-    // the backward, not after the gradient came down.
-    clock::time_point applied_at{};
-    if (engine && engine->will_update()) {
-      const auto apply_start = clock::now();
-      engine->apply_previous_window();
-      applied_at = clock::now();
-      out.events.push_back({"host: apply window", host_track, apply_start, seconds_between(apply_start, applied_at)});
-    }
-    std::this_thread::sleep_until(d2h_free);
-
-    const auto host_start = clock::now();
-    if (engine) {
-      const bool waits = engine->device_waits_for_step();
-      const zenflow::step_report report = engine->step();
-      rec.boundary = report.update_boundary;
-      device_extra = device->take_device_seconds();
-      const auto uploads = device->take_ready_at();
-      if (waits) {
-        params_ready = std::max(clock::now(), uploads);  // the host's step decides the next one
-      } else if (rec.boundary) {
-        params_ready = std::max(applied_at, uploads);  // the previous window, applied early
-      } else {
-        params_ready = s >= 1 ? host_done[s - 1] : clock::time_point{};  // two staging buffers
-      }
-    } else {
-      out.optimizer_seconds.push_back(std::chrono::duration<double>(in.optimizer_step()).count());
-      params_ready = h2d.send(plan.parameter_bytes);  // every parameter back up
-      rec.boundary = true;
-    }
-    const auto host_end = clock::now();
-    host_done.push_back(host_end);
-    rec.host_seconds = seconds_between(host_start, host_end);
-    out.events.push_back({rec.boundary ? "host: step + update" : "host: accumulate", host_track, host_start,
-                          rec.host_seconds});
-    out.steps.push_back(rec);
-  }
-  // The device's last step must also see its inputs: the drain.
-  const auto drain_start = clock::now();
-  if (engine) {
-    engine->finish();
-    out.engine_stats = engine->stats();
-  }
-  out.drain_seconds = seconds_between(drain_start, clock::now());
-  out.h2d_bytes = h2d.bytes();
-  return out;
+std::unique_ptr<device_timeline> make_sim_timeline(const offload_plan& plan, std::span<const float> gradient) {
+  return std::make_unique<sim_timeline>(plan, gradient);
 }
 
 }  // namespace tierflow::bench
