@@ -26,7 +26,7 @@ void cuda_zenflow_device::update_owned(std::size_t, std::int64_t) { no_cuda(); }
 std::span<const float> cuda_zenflow_device::download_gradient(std::size_t) { no_cuda(); }
 void cuda_zenflow_device::gradients_ready(std::span<const void* const>) { no_cuda(); }
 void cuda_zenflow_device::gradients_ready() { no_cuda(); }
-void cuda_zenflow_device::accumulate_gradient(std::size_t, std::span<const zenflow::column_run>, std::span<float>) {
+bool cuda_zenflow_device::accumulate_gradient(std::size_t, std::span<const zenflow::column_run>, std::span<float>) {
   no_cuda();
 }
 void cuda_zenflow_device::stage_upload(std::size_t, std::span<const zenflow::column_run>, std::span<const float>) {

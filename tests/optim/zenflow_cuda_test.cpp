@@ -611,10 +611,25 @@ TEST(zenflow_cuda, per_step_gradients_are_checked_and_required) {
                    grads[0].get(), static_cast<const std::byte*>(grads[1].get()) + 2}),
                user_error);
 
+  // Weight w's gradient: 0.5·(k + 1) for element k.
+  std::vector<float> values(24);
+  for (std::size_t k = 0; k < values.size(); ++k) values[k] = 0.5f * static_cast<float>(k + 1);
+  ASSERT_EQ(cudaMemcpy(grads[0].get(), values.data(), 24 * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
   device.gradients_ready(good);
   device.update_owned(1, 1);
   device.update_owned(1, 1);  // the same step again: still this step's gradients
-  EXPECT_EQ(device.download_gradient(0).size(), 24u);
+  const std::span<const float> down = device.download_gradient(0);
+  ASSERT_EQ(down.size(), 24u);
+  EXPECT_EQ(std::vector<float>(down.begin(), down.end()), values);
+  // The fused path: columns 1 and 3..5 (4 rows each) added, the others kept.
+  std::vector<float> sum(24, 1.0f), want(24, 1.0f);
+  const zenflow::column_run runs[] = {{1, 2}, {3, 6}};
+  for (const auto r : runs)
+    for (std::size_t k = r.begin * 4; k < r.end * 4; ++k) want[k] += values[k];
+  EXPECT_TRUE(device.accumulate_gradient(0, runs, sum));
+  EXPECT_EQ(sum, want);
+  const zenflow::column_run outside[] = {{5, 7}};
+  EXPECT_THROW(device.accumulate_gradient(0, outside, sum), user_error);
   // Step 2 without gradients_ready(): it would read step 1's.
   EXPECT_THROW(device.update_owned(1, 2), user_error);
   device.gradients_ready(good);

@@ -532,7 +532,7 @@ std::span<const float> cuda_zenflow_device::download_gradient(std::size_t w) {
   return {d.download_fp32.data(), n};
 }
 
-void cuda_zenflow_device::accumulate_gradient(std::size_t w, std::span<const zenflow::column_run> runs,
+bool cuda_zenflow_device::accumulate_gradient(std::size_t w, std::span<const zenflow::column_run> runs,
                                               std::span<float> sum) {
   impl& d = *impl_;
   if (w >= d.weights.size()) throw user_error("zenflow cuda device: accumulate_gradient: no weight " + std::to_string(w));
@@ -550,6 +550,7 @@ void cuda_zenflow_device::accumulate_gradient(std::size_t w, std::span<const zen
   detail::accumulate_gradient(*d.host_threads, d.slot_data(slot), d.options.grad_type, runs, s.rows, sum);
   d.ring.release(slot);
   d.issue_downloads();
+  return true;
 }
 
 void cuda_zenflow_device::stage_upload(std::size_t w, std::span<const zenflow::column_run> runs,

@@ -133,8 +133,9 @@ class cuda_zenflow_device final : public zenflow::device_side {
   // (ascending) into `sum` (fp32, the whole weight): the download and the
   // widening fused into one pass over the pinned copy, on the host threads.
   // The same values as adding download_gradient(w) by hand; ends the span
-  // download_gradient() returned last.
-  void accumulate_gradient(std::size_t w, std::span<const zenflow::column_run> runs, std::span<float> sum);
+  // download_gradient() returned last. Returns true: it did the work (the
+  // answer of a device side that offers this fused path to the engine).
+  bool accumulate_gradient(std::size_t w, std::span<const zenflow::column_run> runs, std::span<float> sum);
 
   // Every copy so far, counted when it is enqueued.
   cuda_zenflow_traffic traffic() const;
