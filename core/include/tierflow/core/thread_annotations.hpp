@@ -1,9 +1,12 @@
 // Lock requirements the compiler checks. Under clang (-Wthread-safety) these
 // expand to its thread-safety attributes; elsewhere to nothing. Use
-// tierflow::mutex and tierflow::lock_guard (annotated) rather than std::mutex
-// for state that a TF_GUARDED_BY names.
+// tierflow::mutex with tierflow::lock_guard, or tierflow::unique_lock where
+// the lock is released inside its scope or waited on (all annotated), rather
+// than std::mutex for state that a TF_GUARDED_BY names.
+// scripts/thread_safety.sh runs the analysis.
 #pragma once
 
+#include <condition_variable>
 #include <mutex>
 
 #if defined(__clang__)
@@ -31,7 +34,8 @@ class TF_CAPABILITY("mutex") mutex {
   void lock() TF_ACQUIRE() { m_.lock(); }
   void unlock() TF_RELEASE() { m_.unlock(); }
   bool try_lock() TF_TRY_ACQUIRE(true) { return m_.try_lock(); }
-  // For std::condition_variable; the analysis cannot follow a wait.
+  // The std::mutex beneath, for code the analysis need not follow; waits on
+  // a condition variable go through tierflow::unique_lock instead.
   std::mutex& native() { return m_; }
 
  private:
@@ -48,6 +52,29 @@ class TF_SCOPED_CAPABILITY lock_guard {
 
  private:
   mutex& m_;
+};
+
+// A scoped lock that may be released and taken again inside its scope, and
+// waited on with a std::condition_variable; the analysis follows both (it
+// cannot see through a std::unique_lock over mutex::native()).
+class TF_SCOPED_CAPABILITY unique_lock {
+ public:
+  explicit unique_lock(mutex& m) TF_ACQUIRE(m) : lock_(m.native()) {}
+  // Releases the mutex if this lock holds it.
+  ~unique_lock() TF_RELEASE() {}
+  unique_lock(const unique_lock&) = delete;
+  unique_lock& operator=(const unique_lock&) = delete;
+
+  void lock() TF_ACQUIRE() { lock_.lock(); }
+  void unlock() TF_RELEASE() { lock_.unlock(); }
+  // Blocks until `cv` is notified or wakes spuriously: the mutex is released
+  // while blocked and held again on return, so the caller loops on its
+  // condition (`while (!ready) lock.wait(cv);`), which the analysis then
+  // checks with the lock held.
+  void wait(std::condition_variable& cv) { cv.wait(lock_); }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
 };
 
 }  // namespace tierflow
