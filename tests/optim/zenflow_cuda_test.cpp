@@ -314,6 +314,7 @@ class element_adam_rule final : public zenflow::update_rule {
     const detail::adam_element_constants k = detail::make_adam_element_constants(o_, a.step);
     for (std::size_t i = 0; i < a.param.size(); ++i) detail::adam_element(k, a.grad[i], a.param[i], a.state0[i], a.state1[i]);
   }
+  void rebase_state(const zenflow::crossing_args& a) override { zenflow::rebase_adam_moments(a, o_.beta1, o_.beta2); }
 
  private:
   adam_options o_;

@@ -201,6 +201,7 @@ void engine::accumulate(window& win, bool observe) {
       trigger_.observe(i, important, unimportant);
     }
     if (owned_by_host_[w].empty()) continue;
+    if (device_.accumulate_gradient(w, owned_by_host_[w], win.grad[w])) continue;
     const std::span<const float> g = device_.download_gradient(w);
     TF_ASSERT(g.size() == weights_[w].elements(), "download_gradient returned a wrong size");
     float* sum = win.grad[w].data();

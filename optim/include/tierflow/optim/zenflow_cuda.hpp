@@ -135,7 +135,8 @@ class cuda_zenflow_device final : public zenflow::device_side {
   // The same values as adding download_gradient(w) by hand; ends the span
   // download_gradient() returned last. Returns true: it did the work (the
   // answer of a device side that offers this fused path to the engine).
-  bool accumulate_gradient(std::size_t w, std::span<const zenflow::column_run> runs, std::span<float> sum);
+  bool accumulate_gradient(std::size_t w, std::span<const zenflow::column_run> runs,
+                           std::span<float> sum) override;
 
   // Every copy so far, counted when it is enqueued.
   cuda_zenflow_traffic traffic() const;

@@ -175,6 +175,16 @@ class device_side {
   // call, for any weight (the engine adds each up before asking for the
   // next, so one host buffer may serve every weight).
   virtual std::span<const float> download_gradient(std::size_t w) = 0;
+  // Optional: adds this step's gradient of `w` over the column `runs`
+  // (ascending) into `sum` (fp32, the whole weight) in one fused pass, the
+  // same values as download_gradient() added by hand. Returns false when the
+  // device side does not offer it; the engine then downloads and adds itself.
+  virtual bool accumulate_gradient(std::size_t w, std::span<const column_run> runs, std::span<float> sum) {
+    (void)w;
+    (void)runs;
+    (void)sum;
+    return false;
+  }
   // Sends the new master values of the host-owned `runs` of `w` (host memory
   // laid out as the whole weight) up to a staging area on the device, host →
   // device, while the device keeps computing with its current copy.
