@@ -88,11 +88,15 @@ for line in "${units[@]}"; do
   n=$((n + 1))
 done
 
+# Each unit's diagnostics are printed in one piece, so parallel runs do not
+# interleave them.
 run_one() {
-  local cmd=() dir
+  local cmd=() out
   mapfile -d '' -t cmd <"$1"
-  dir=${cmd[0]}
-  cd "$dir" && "${cmd[@]:1}"
+  if ! out=$(cd "${cmd[0]}" && "${cmd[@]:1}" 2>&1); then
+    printf '%s\n' "$out" >&2
+    return 1
+  fi
 }
 export -f run_one
 
