@@ -1,6 +1,7 @@
 #include "tierflow/core/store.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <mutex>
 
 #include "tierflow/core/assert.hpp"
@@ -71,7 +72,10 @@ access lease::mode() const noexcept { return state_ ? state_->mode : access::rea
 
 block_store::block_store(std::vector<std::unique_ptr<tier>> tiers, std::vector<link_spec> links,
                          store_options options)
-    : created_at_(std::chrono::steady_clock::now()) {
+    : created_at_(std::chrono::steady_clock::now()),
+      writeback_attempts_(options.writeback_attempts) {
+  if (writeback_attempts_ == 0)
+    throw user_error("block store: writeback_attempts is 0 (at least one try is needed)");
   for (auto& t : tiers) {
     if (!t) throw user_error("block store: a tier is null");
     auto& slot = tiers_[index_of(t->kind())];
@@ -99,6 +103,16 @@ block_store::~block_store() {
   for (auto& row : links_)
     for (auto& l : row) l.reset();
   lock_guard lock(mutex_);
+  if (first_error_) {
+    // A destructor cannot throw: say what nobody was told.
+    try {
+      std::rethrow_exception(std::exchange(first_error_, nullptr));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr,
+                   "tierflow: warning: block store destroyed with an unreported error: %s\n",
+                   e.what());
+    }
+  }
   for (block_record& b : blocks_) {
     TF_ASSERT(b.leases == 0, "a block store was destroyed while a lease was held");
     for (tier_kind t : all_tiers) {
@@ -121,6 +135,7 @@ void block_store::wait_idle() TF_NO_THREAD_SAFETY_ANALYSIS {
 block_id block_store::create_block(block_desc desc) TF_NO_THREAD_SAFETY_ANALYSIS {
   desc = validated(std::move(desc));
   std::unique_lock<std::mutex> lock(mutex_.native());
+  refuse_if_closed("create_block");
   if (!has_tier(desc.home))
     throw user_error("block \"" + desc.name + "\": its home tier " +
                      std::string(name(desc.home)) + " is not in this store");
@@ -130,14 +145,19 @@ block_id block_store::create_block(block_desc desc) TF_NO_THREAD_SAFETY_ANALYSIS
   const std::uint64_t bytes = aligned_size(desc.size_bytes);
   // Home storage is permanent. Make room by evicting cached copies of other
   // blocks, writing dirty ones back and waiting for that (creation is control
-  // plane); what cannot be made room for is budget_exceeded from allocate().
+  // plane); what cannot be made room for is budget_exceeded from allocate(),
+  // or the write-back's error when dirty copies that cannot go home hold it.
   if (bytes <= home.budget()) {
-    while (!make_room(desc.home, bytes, traffic_class::demand, /*hint=*/false) &&
+    const auto since = std::chrono::steady_clock::now();
+    while (!make_room(desc.home, bytes, traffic_class::demand, /*hint=*/false, since) &&
            transfers_in_flight_ > 0) {
       drain();
       while (transfers_in_flight_ != 0) idle_cv_.wait(lock);
     }
     drain();
+    if (!home.can_allocate(bytes))
+      if (auto blocked = room_blocked(desc.home, bytes, desc.name, since))
+        std::rethrow_exception(blocked);
   }
   tier_allocation storage = home.allocate(bytes, desc.name);  // throws budget_exceeded
 
@@ -207,6 +227,7 @@ bool block_store::has_waiter(const block_record& b, tier_kind t) {
 
 lease block_store::acquire(block_id id, tier_kind where, access mode, traffic_class cls) {
   lock_guard lock(mutex_);
+  refuse_if_closed("acquire");
   block_record& b = record(id);
   if (!has_tier(where))
     throw user_error("block \"" + b.desc.name + "\": no " + std::string(name(where)) +
@@ -282,6 +303,7 @@ void block_store::end_lease(detail::lease_state& s, dirty d) {
 void block_store::apply_write(block_id id, tier_kind t) {
   block_record& b = record(id);
   const tier_kind home = b.desc.home;
+  b.writeback_error = nullptr;  // new bytes: their write-back has not been tried
   if (t == home) {
     // valid, or loading after an overwrite of a stale home.
     if (b.copies[index_of(home)].state == copy_state::loading) set_state(b, home, copy_state::valid);
@@ -357,8 +379,11 @@ bool block_store::try_grant(block_id id, detail::lease_state& w, bool writer_ahe
       if (b.leases > 0 || b.transfers > 0) return false;
       if (blank) {
         if (!c.storage) {
-          if (!make_room(w.tier, b.bytes, w.cls, false)) {
-            space_waiters_[index_of(w.tier)].insert(id.value);
+          if (!make_room(w.tier, b.bytes, w.cls, false, w.requested_at)) {
+            if (auto blocked = room_blocked(w.tier, b.bytes, b.desc.name, w.requested_at))
+              fail_waiters(b, w.tier, blocked, w.requested_at);
+            else
+              space_waiters_[index_of(w.tier)].insert(id.value);
             return false;
           }
           try {
@@ -382,11 +407,14 @@ bool block_store::try_grant(block_id id, detail::lease_state& w, bool writer_ahe
     w.status.notify_all();
     return true;
   }
-  if (c.state == copy_state::absent && !writer_active(b)) start_load(id, w.tier, w.cls, false);
+  if (c.state == copy_state::absent && !writer_active(b))
+    start_load(id, w.tier, w.cls, false, w.requested_at);
   return false;
 }
 
-void block_store::start_load(block_id id, tier_kind to, traffic_class cls, bool hint) {
+// `since`: when the load was asked for (see make_room).
+void block_store::start_load(block_id id, tier_kind to, traffic_class cls, bool hint,
+                             std::chrono::steady_clock::time_point since) {
   block_record& b = record(id);
   copy_record& c = b.copies[index_of(to)];
   if (c.state != copy_state::absent || writer_active(b)) return;
@@ -420,9 +448,11 @@ void block_store::start_load(block_id id, tier_kind to, traffic_class cls, bool 
     return;
   }
   if (!c.storage) {
-    if (!make_room(to, b.bytes, cls, hint)) {
+    if (!make_room(to, b.bytes, cls, hint, since)) {
       if (hint)
         ++counters_.prefetches_dropped;
+      else if (auto blocked = room_blocked(to, b.bytes, b.desc.name, since))
+        fail_waiters(b, to, blocked, since);  // a later request may try the write-backs again
       else
         space_waiters_[index_of(to)].insert(id.value);
       return;
@@ -478,11 +508,12 @@ void block_store::submit(block_id id, tier_kind from, tier_kind to, traffic_clas
   // Lock order: the store's lock, then the link's. The link calls back
   // without its lock held.
   links_[index_of(from)][index_of(to)]->submit(
-      std::move(t),
-      [this, id, from, to](std::exception_ptr e) { on_transfer_done(id, from, to, std::move(e)); });
+      std::move(t), [this, id, from, to, cls](std::exception_ptr e) {
+        on_transfer_done(id, from, to, cls, std::move(e));
+      });
 }
 
-void block_store::on_transfer_done(block_id id, tier_kind from, tier_kind to,
+void block_store::on_transfer_done(block_id id, tier_kind from, tier_kind to, traffic_class cls,
                                    std::exception_ptr error) {
   lock_guard lock(mutex_);
   block_record& b = record(id);
@@ -492,10 +523,7 @@ void block_store::on_transfer_done(block_id id, tier_kind from, tier_kind to,
   --src.sources;
   --b.transfers;
   --transfers_in_flight_;
-  if (error) {
-    ++counters_.failed_transfers;
-    if (!first_error_) first_error_ = error;
-  }
+  if (error) ++counters_.failed_transfers;
   if (to == home) {  // a write-back
     if (!error) {
       set_state(b, home, copy_state::valid);
@@ -504,15 +532,16 @@ void block_store::on_transfer_done(block_id id, tier_kind from, tier_kind to,
         if (c.state == copy_state::dirty || c.state == copy_state::writing_back)
           set_state(b, t, copy_state::valid);
       }
+      b.writeback_failures = 0;
+      b.writeback_error = nullptr;
     } else {
-      set_state(b, home, copy_state::absent);
-      set_state(b, from, copy_state::dirty);
-      fail_waiters(b, home, error);
+      writeback_failed(id, from, cls, error);
     }
   } else if (!error) {
     const bool home_current = b.copies[index_of(home)].state == copy_state::valid;
     set_state(b, to, home_current ? copy_state::valid : copy_state::dirty);
   } else {
+    if (!first_error_) first_error_ = error;
     copy_record& dst = b.copies[index_of(to)];
     set_state(b, to, copy_state::absent);
     tiers_[index_of(to)]->deallocate(dst.storage);
@@ -523,6 +552,7 @@ void block_store::on_transfer_done(block_id id, tier_kind from, tier_kind to,
   }
   schedule(id);
   wake_space_waiters(from);  // the source may have become a victim
+  wake_space_waiters(to);    // so may a loaded copy nobody waits for (a prefetch)
   drain();
   if (transfers_in_flight_ == 0) idle_cv_.notify_all();
   // Drop this engine thread's reference under the lock: whoever receives the
@@ -530,10 +560,62 @@ void block_store::on_transfer_done(block_id id, tier_kind from, tier_kind to,
   error = nullptr;
 }
 
-void block_store::fail_waiters(block_record& b, tier_kind t, std::exception_ptr error) {
+// A write-back from `from` failed: try it again while attempts remain, else
+// keep the dirty copy where it is and report. Nothing here may start the same
+// write-back again once the attempts are used up — that was the loop a
+// persistent EIO or ENOSPC turned into.
+void block_store::writeback_failed(block_id id, tier_kind from, traffic_class cls,
+                                   std::exception_ptr error) {
+  block_record& b = record(id);
+  const tier_kind home = b.desc.home;
+  set_state(b, home, copy_state::absent);
+  set_state(b, from, copy_state::dirty);
+  bool retry = ++b.writeback_failures < writeback_attempts_;
+  try {
+    std::rethrow_exception(error);
+  } catch (const user_error&) {
+    retry = false;  // a missing link or a refused request: trying again changes nothing
+  } catch (...) {
+  }
+  if (retry) {
+    start_writeback(id, from, cls);
+    if (b.copies[index_of(home)].state == copy_state::loading) return;  // submitted
+  }
+  const unsigned attempts = b.writeback_failures;
+  b.writeback_failures = 0;
+  // Name the write-back and its tries; the errno and the I/O's context stay.
+  std::exception_ptr reported = error;
+  try {
+    std::rethrow_exception(error);
+  } catch (const user_error&) {
+  } catch (const tierflow::error& e) {
+    error_context context = e.context();
+    context.operation = "write-back to the " + std::string(name(home)) + " tier (" +
+                        std::to_string(attempts) + (attempts == 1 ? " try" : " tries") +
+                        "): " + (context.operation.empty() ? "I/O" : context.operation);
+    if (context.block.empty()) context.block = b.desc.name;
+    reported = std::make_exception_ptr(tierflow::error(e.code(), std::move(context)));
+  } catch (...) {
+  }
+  b.writeback_error = reported;
+  b.writeback_failed_at = std::chrono::steady_clock::now();
+  // The evictions waiting on it are dropped: every copy holding data is dirty
+  // (the home is stale) and cannot go without a write-back.
+  for (copy_record& c : b.copies) c.evict_requested = false;
+  if (!first_error_) first_error_ = reported;
+  fail_waiters(b, home, reported);
+  // Whoever waits for room that these copies were to free must look again:
+  // make_room() now passes them over, and room_blocked() may say it never comes.
+  for (tier_kind t : all_tiers)
+    if (tiers_[index_of(t)]) wake_space_waiters(t);
+}
+
+void block_store::fail_waiters(block_record& b, tier_kind t, std::exception_ptr error,
+                               std::chrono::steady_clock::time_point requested_by) {
   for (auto& w : b.waiters) {
     if (w->tier != t || w->status.load(std::memory_order_relaxed) != detail::lease_status::pending)
       continue;
+    if (w->requested_at > requested_by) continue;
     w->error = error;
     // release: publishes `error` to the holder.
     w->status.store(detail::lease_status::failed, std::memory_order_release);
@@ -562,7 +644,12 @@ void block_store::drop(block_id id, tier_kind t) {
   wake_space_waiters(t);
 }
 
-bool block_store::make_room(tier_kind t, std::uint64_t bytes, traffic_class cls, bool hint) {
+// `since` is when the room was asked for. A dirty copy whose write-back used
+// up its attempts at or after then is no victim: this request already paid
+// for that write-back, and trying it again on every wake-up would loop. One
+// that failed earlier is tried once more (the disk may be back).
+bool block_store::make_room(tier_kind t, std::uint64_t bytes, traffic_class cls, bool hint,
+                            std::chrono::steady_clock::time_point since) {
   tier& target = *tiers_[index_of(t)];
   if (target.can_allocate(bytes)) return true;
   // Victims, least recently used first: unleased copies nothing reads from
@@ -575,6 +662,7 @@ bool block_store::make_room(tier_kind t, std::uint64_t bytes, traffic_class cls,
     if (t == v.desc.home || c.readers > 0 || c.writer || c.sources > 0) continue;
     if (c.state != copy_state::valid && c.state != copy_state::dirty) continue;
     if (has_waiter(v, t)) continue;
+    if (c.state == copy_state::dirty && v.writeback_error && v.writeback_failed_at >= since) continue;
     victims.emplace_back(c.last_use, i);
   }
   std::sort(victims.begin(), victims.end());
@@ -597,6 +685,52 @@ bool block_store::make_room(tier_kind t, std::uint64_t bytes, traffic_class cls,
     }
   }
   return target.can_allocate(bytes);
+}
+
+// Null, or the error for a request of `bytes` in `t` (for `block`, asked for
+// at `since`) that no release or transfer will ever make room for, because
+// dirty copies make_room() will not try to write back again for it (stuck
+// ones) hold the space: either the budget less the home copies and the stuck
+// ones is smaller than the request, or the tier holds nothing but those
+// (so nothing will ever be freed there, whatever the free space's shape).
+// Waiting for room then would be waiting for ever.
+std::exception_ptr block_store::room_blocked(tier_kind t, std::uint64_t bytes,
+                                             const std::string& block,
+                                             std::chrono::steady_clock::time_point since) const {
+  const tier& target = *tiers_[index_of(t)];
+  std::uint64_t held = 0;
+  bool others = false;  // a copy whose release, drop or transfer will wake the waiter
+  const block_record* failed = nullptr;
+  for (const block_record& v : blocks_) {
+    const copy_record& c = v.copies[index_of(t)];
+    if (t == v.desc.home) {
+      held += v.bytes;
+    } else if (holds_data(c.state) && v.writeback_error && v.writeback_failed_at >= since) {
+      held += v.bytes;
+      if (!failed) failed = &v;
+    } else if (c.storage) {
+      others = true;
+    }
+  }
+  if (!failed) return nullptr;
+  const bool never = held + bytes > target.budget() || (!others && !target.can_allocate(bytes));
+  if (!never) return nullptr;
+  int errnum = EIO;
+  std::string cause;
+  try {
+    std::rethrow_exception(failed->writeback_error);
+  } catch (const tierflow::error& e) {
+    errnum = e.errnum();
+    cause = e.what();
+  } catch (const std::exception& e) {
+    cause = e.what();
+  }
+  return std::make_exception_ptr(tierflow::error(
+      errnum, error_context{"make room (dirty copies whose write-back failed hold the tier; \"" +
+                            failed->desc.name + "\": " + cause + ")"}
+                  .range(0, bytes)
+                  .in_tier(std::string(name(t)))
+                  .of_block(block)));
 }
 
 void block_store::settle_evictions(block_id id) {
@@ -626,8 +760,12 @@ void block_store::prefetch(block_id id, tier_kind where, traffic_class cls) {
   block_record& b = record(id);
   if (!has_tier(where)) return;
   ++counters_.prefetches;
+  if (closed_) {
+    ++counters_.prefetches_dropped;
+    return;
+  }
   if (b.copies[index_of(where)].state != copy_state::absent || writer_active(b)) return;
-  start_load(id, where, cls, /*hint=*/true);
+  start_load(id, where, cls, /*hint=*/true, std::chrono::steady_clock::now());
   drain();
 }
 
@@ -638,6 +776,8 @@ void block_store::evict(block_id id, tier_kind where) {
   copy_record& c = b.copies[index_of(where)];
   if (c.state == copy_state::absent) return;
   c.evict_requested = true;
+  // Asked for again: a write-back that failed before gets its attempts anew.
+  if (c.state == copy_state::dirty) b.writeback_error = nullptr;
   schedule(id);
   drain();
 }
@@ -650,15 +790,45 @@ void block_store::flush() {
       if (writer_active(b)) continue;
       for (tier_kind t : all_tiers)
         if (b.copies[index_of(t)].state == copy_state::dirty) {
+          b.writeback_error = nullptr;  // asked for again: tried anew
           start_writeback(block_id{i}, t, traffic_class::writeback);
           break;
         }
     }
     drain();
   }
+  // Ends: each write-back succeeds or uses up its attempts, and nothing
+  // resubmits one after that.
   wait_idle();
   lock_guard lock(mutex_);
   if (first_error_) std::rethrow_exception(std::exchange(first_error_, nullptr));
+}
+
+void block_store::close() {
+  {
+    lock_guard lock(mutex_);
+    if (closed_) return;
+    refuse_if_leased();
+  }
+  flush();  // throws a failed write-back's error: the store stays open
+  lock_guard lock(mutex_);
+  refuse_if_leased();  // one taken while flushing
+  closed_ = true;
+}
+
+void block_store::refuse_if_leased() const {
+  for (const block_record& b : blocks_) {
+    const bool waited_for = std::any_of(b.waiters.begin(), b.waiters.end(), [](const auto& w) {
+      return w->status.load(std::memory_order_relaxed) == detail::lease_status::pending;
+    });
+    if (b.leases > 0 || waited_for)
+      throw user_error("block store: close() while a lease of block \"" + b.desc.name + "\" is " +
+                       (b.leases > 0 ? "held" : "waited for") + " (release every lease first)");
+  }
+}
+
+void block_store::refuse_if_closed(std::string_view what) const {
+  if (closed_) throw user_error("block store: " + std::string(what) + "() after close()");
 }
 
 // ---- observation ---------------------------------------------------------------------

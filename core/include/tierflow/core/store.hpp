@@ -14,6 +14,19 @@
 // home copy becomes absent (stale) until a write-back brings them home; a copy
 // loaded meanwhile from a dirty copy is dirty too. Evicting a dirty copy first
 // writes it back.
+//
+// Failures, in one paragraph: a failed load leaves its copy absent and fails
+// the leases waiting for it; the next acquire tries again. A failed write-back
+// is tried again at once, up to store_options::writeback_attempts times in
+// all; when every attempt failed, the dirty copy stays where it is (the
+// newest bytes, readable, counted in its tier's budget), the eviction that
+// asked for the write-back is dropped, and the error goes to the leases
+// waiting for the home copy and to the next flush() or close(); a lease that
+// needs room only such copies hold gets it too, rather than waiting for
+// ever. Nothing retries the write-back on its own: a later request does
+// (flush, evict, an acquire of the home copy, or a lease asked for after the
+// failure that needs the room), so a broken disk costs a bounded number of
+// writes per request, never a loop.
 #pragma once
 
 #include <array>
@@ -52,6 +65,12 @@ struct store_options {
   bool trace = true;                              // record trace events
   std::size_t trace_capacity = std::size_t{1} << 20;  // events kept before dropping
   fair_queue_weights weights{};
+  // Tries of one write-back before its error is reported (at least 1). The io
+  // engines already retry EINTR/EAGAIN and finish short transfers, so what
+  // reaches the store is an error the device returned: a second and third
+  // write ride out a one-off failure at the cost of two writes of the block,
+  // while a failure that persists is reported within milliseconds.
+  unsigned writeback_attempts = 3;
 };
 
 class block_store {
@@ -59,12 +78,14 @@ class block_store {
   // Takes the tiers (at most one per kind, at least one) and the links between
   // them. A load from tier A to tier B needs a link A->B; a store with a tier
   // but no link to or from it can only use it as a home. Throws user_error for
-  // duplicate tiers or a link naming a missing tier.
+  // duplicate tiers, a link naming a missing tier, or writeback_attempts 0.
   block_store(std::vector<std::unique_ptr<tier>> tiers, std::vector<link_spec> links,
               store_options options = {});
-  // Waits for transfers in flight, then frees every copy. Every lease must
-  // have ended (granted ones are asserted), and no lease object may outlive
-  // the store.
+  // Waits for transfers in flight (each write-back ends within its bounded
+  // attempts), then frees every copy; dirty copies not flushed are discarded
+  // with the rest. An error no flush() or close() reported is printed to
+  // stderr. Every lease must have ended (granted ones are asserted), and no
+  // lease object may outlive the store.
   ~block_store();
   block_store(const block_store&) = delete;
   block_store& operator=(const block_store&) = delete;
@@ -104,9 +125,19 @@ class block_store {
   // Hint: drop `id`'s copy in `where` (not its home) once it is unleased,
   // writing it back first when dirty. Never blocks.
   void evict(block_id id, tier_kind where) TF_EXCLUDES(mutex_);
-  // Writes every dirty copy back to its home tier and waits for all transfers.
-  // Throws the first transfer error seen since the last flush.
+  // Writes every dirty copy back to its home tier (trying again those whose
+  // write-back failed before) and waits for all transfers. Returns once every
+  // write-back succeeded or used up its attempts; throws the first error seen
+  // since the last flush (a write-back's names the block, the file, the
+  // offset and the errno). A copy whose write-back failed stays dirty and
+  // readable, so flush() can be called again.
   void flush() TF_EXCLUDES(mutex_);
+  // Ends the store's use: flush(), then refuses new blocks and leases
+  // (user_error; hints are dropped). Throws user_error naming a block when a
+  // lease is still held or waited for — nothing is written or closed then —
+  // and flush()'s error when a write-back failed, leaving the store open with
+  // every dirty copy in place, so close() can be called again.
+  void close() TF_EXCLUDES(mutex_);
 
   // The state of `id`'s copy in `where` (a snapshot).
   copy_state state(block_id id, tier_kind where) const TF_EXCLUDES(mutex_);
@@ -139,6 +170,11 @@ class block_store {
     std::deque<std::shared_ptr<detail::lease_state>> waiters;  // FIFO of ungranted leases
     std::uint32_t transfers = 0;  // in flight, from or to any of its copies
     std::uint32_t leases = 0;     // granted, on any tier
+    std::uint32_t writeback_failures = 0;  // failed tries of the write-back in flight
+    // The last write-back that used up its attempts, and when: make_room()
+    // does not try it again for a request made before then (see make_room).
+    std::exception_ptr writeback_error;
+    std::chrono::steady_clock::time_point writeback_failed_at;
   };
 
   block_record& record(block_id id) TF_REQUIRES(mutex_);
@@ -146,21 +182,32 @@ class block_store {
   void set_state(block_record& b, tier_kind t, copy_state to) TF_REQUIRES(mutex_);
   void pump(block_id id) TF_REQUIRES(mutex_);
   void apply_write(block_id id, tier_kind t) TF_REQUIRES(mutex_);
-  void fail_waiters(block_record& b, tier_kind t, std::exception_ptr error) TF_REQUIRES(mutex_);
+  // Fails the leases pending on `t` that were asked for no later than `requested_by`.
+  void fail_waiters(block_record& b, tier_kind t, std::exception_ptr error,
+                    std::chrono::steady_clock::time_point requested_by =
+                        std::chrono::steady_clock::time_point::max()) TF_REQUIRES(mutex_);
   void wait_idle() TF_EXCLUDES(mutex_);
   static bool writer_active(const block_record& b);
   static bool has_waiter(const block_record& b, tier_kind t);
   bool try_grant(block_id id, detail::lease_state& w, bool writer_ahead) TF_REQUIRES(mutex_);
-  void start_load(block_id id, tier_kind to, traffic_class cls, bool hint) TF_REQUIRES(mutex_);
+  void start_load(block_id id, tier_kind to, traffic_class cls, bool hint,
+                  std::chrono::steady_clock::time_point since) TF_REQUIRES(mutex_);
   void start_writeback(block_id id, tier_kind from, traffic_class cls) TF_REQUIRES(mutex_);
-  bool make_room(tier_kind t, std::uint64_t bytes, traffic_class cls, bool hint)
+  bool make_room(tier_kind t, std::uint64_t bytes, traffic_class cls, bool hint,
+                 std::chrono::steady_clock::time_point since) TF_REQUIRES(mutex_);
+  std::exception_ptr room_blocked(tier_kind t, std::uint64_t bytes, const std::string& block,
+                                  std::chrono::steady_clock::time_point since) const
+      TF_REQUIRES(mutex_);
+  void writeback_failed(block_id id, tier_kind from, traffic_class cls, std::exception_ptr error)
       TF_REQUIRES(mutex_);
   bool droppable(const block_record& b, tier_kind t) const TF_REQUIRES(mutex_);
   void drop(block_id id, tier_kind t) TF_REQUIRES(mutex_);
   void settle_evictions(block_id id) TF_REQUIRES(mutex_);
   void submit(block_id id, tier_kind from, tier_kind to, traffic_class cls) TF_REQUIRES(mutex_);
-  void on_transfer_done(block_id id, tier_kind from, tier_kind to, std::exception_ptr error)
-      TF_EXCLUDES(mutex_);
+  void on_transfer_done(block_id id, tier_kind from, tier_kind to, traffic_class cls,
+                        std::exception_ptr error) TF_EXCLUDES(mutex_);
+  void refuse_if_closed(std::string_view what) const TF_REQUIRES(mutex_);
+  void refuse_if_leased() const TF_REQUIRES(mutex_);
   void schedule(block_id id) TF_REQUIRES(mutex_);
   void wake_space_waiters(tier_kind t) TF_REQUIRES(mutex_);
   void drain() TF_REQUIRES(mutex_);
@@ -170,6 +217,7 @@ class block_store {
   void check_invariants_locked() const TF_REQUIRES(mutex_);
 
   const std::chrono::steady_clock::time_point created_at_;
+  const unsigned writeback_attempts_;
   std::array<std::unique_ptr<tier>, tier_count> tiers_;
   std::unique_ptr<trace_recorder> trace_;
 
@@ -180,6 +228,7 @@ class block_store {
   std::array<std::set<std::uint32_t>, tier_count> space_waiters_ TF_GUARDED_BY(mutex_);
   std::deque<std::uint32_t> worklist_ TF_GUARDED_BY(mutex_);
   bool draining_ TF_GUARDED_BY(mutex_) = false;
+  bool closed_ TF_GUARDED_BY(mutex_) = false;
   std::uint64_t clock_ TF_GUARDED_BY(mutex_) = 0;
   std::uint64_t transfers_in_flight_ TF_GUARDED_BY(mutex_) = 0;
   std::exception_ptr first_error_ TF_GUARDED_BY(mutex_);
