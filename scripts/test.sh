@@ -32,7 +32,7 @@ generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S "$here" -B "$here/build-tsan" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DTIERFLOW_SANITIZE=thread -DTIERFLOW_CUDA=OFF -DTIERFLOW_BUILD_BENCH=OFF >/dev/null
-cmake --build "$here/build-tsan" -j "$(nproc)" --target store_test store_stress_test scheduler_test zenflow_test
+cmake --build "$here/build-tsan" -j "$(nproc)" --target store_test store_stress_test store_failure_test scheduler_test zenflow_test
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   ctest --test-dir build-tsan --output-on-failure -j "$(nproc)" \
-  -R '^(store|store_stress|link|fair_queue|Scheduler|OptimizerStream|ZenflowEngine)\.'
+  -R '^(store|store_stress|store_failure|store_failure/persistent_writeback_failure|link|fair_queue|Scheduler|OptimizerStream|ZenflowEngine)\.'
