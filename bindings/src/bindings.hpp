@@ -1,0 +1,22 @@
+// The parts of the tierflow._core extension, each binding one area of the
+// C++ library onto the module (module.cpp calls them in order).
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+namespace tierflow::python {
+
+// Maps the tierflow::error family onto Python's exceptions, once for every
+// function of the module (see errors.cpp for the mapping).
+void register_errors(nanobind::module_& m);
+
+// info(path=None) -> dict: what `tierflow info --json` reports.
+void bind_info(nanobind::module_& m);
+
+// Executor, simd_targets(), adam_step(), address_of().
+void bind_optim(nanobind::module_& m);
+
+// Store: tiers with budgets and the blocks homed in them.
+void bind_store(nanobind::module_& m);
+
+}  // namespace tierflow::python

@@ -1,0 +1,248 @@
+"""tierflow.torch.optim.Adam / AdamW against torch.optim's on the same model,
+data and seed: the same losses, parameters and state, element by element."""
+
+import copy
+
+import pytest
+import torch
+
+import tierflow
+from tierflow.torch.optim import MASTER_KEY, Adam, AdamW
+
+STEPS = 50
+RTOL = 1e-5
+
+
+def assert_close_to(actual, expected, what=""):
+    """Element by element within RTOL of each tensor's own scale: torch's
+    for-loop step and tierflow's fused one round differently (as torch's own
+    fused and for-loop steps do), so an element near zero after 50 steps at lr
+    1e-2 differs by up to 1.5e-7 absolute from one near 1e-2 in magnitude."""
+    atol = RTOL * float(expected.abs().max()) if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol,
+                               msg=lambda m: f"{what}: {m}")
+
+# (name, constructor arguments) as torch's own optimizer tests vary them.
+CASES = [
+    ("adamw", {}),
+    ("adamw", {"weight_decay": 0.1, "amsgrad": True}),
+    ("adamw", {"lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "maximize": True}),
+    ("adam", {}),
+    ("adam", {"weight_decay": 0.05}),
+    ("adam", {"weight_decay": 0.05, "amsgrad": True, "maximize": True}),
+]
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1, bias=False))
+
+
+def make_data(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(STEPS, 16, 32, generator=g), torch.randn(STEPS, 16, 1, generator=g)
+
+
+def peer_class(name):
+    return {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+
+
+def tierflow_class(name):
+    return {"adam": Adam, "adamw": AdamW}[name]
+
+
+def train(model, optimizer, xs, ys, steps):
+    losses = []
+    for x, y in zip(xs[:steps], ys[:steps]):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_same_state(ours, theirs):
+    for p_ours, p_theirs in zip(ours.state.keys(), theirs.state.keys()):
+        a, b = ours.state[p_ours], theirs.state[p_theirs]
+        assert set(b) <= set(a), f"tierflow's state lacks {set(b) - set(a)}"
+        for key in b:
+            assert_close_to(a[key], b[key], key)
+
+
+@pytest.mark.parametrize("name,kwargs", CASES)
+def test_same_losses_parameters_and_state_as_torch(name, kwargs):
+    xs, ys = make_data()
+    model_peer = make_model()
+    model_ours = copy.deepcopy(model_peer)
+    peer = peer_class(name)(model_peer.parameters(), **kwargs)
+    ours = tierflow_class(name)(model_ours.parameters(), **kwargs)
+
+    losses_peer = train(model_peer, peer, xs, ys, STEPS)
+    losses_ours = train(model_ours, ours, xs, ys, STEPS)
+
+    torch.testing.assert_close(losses_ours, losses_peer, rtol=RTOL, atol=0)
+    for a, b in zip(model_ours.parameters(), model_peer.parameters()):
+        assert_close_to(a, b, "param")
+    assert_same_state(ours, peer)
+
+
+def test_steps_parameters_in_place_without_a_copy():
+    model = make_model()
+    opt = AdamW(model.parameters())
+    xs, ys = make_data()
+    addresses = [p.data_ptr() for p in model.parameters()]
+    before = [p.detach().clone() for p in model.parameters()]
+    train(model, opt, xs, ys, 1)
+    for p, address, old in zip(model.parameters(), addresses, before):
+        state = opt.state[p]
+        # What the extension reads and writes is the tensor's own memory.
+        assert tierflow._core.address_of(p.detach()) == p.data_ptr() == address
+        assert tierflow._core.address_of(state["exp_avg"]) == state["exp_avg"].data_ptr()
+        assert not torch.equal(p, old)  # updated where it lies
+
+
+def round_trip(source_cls, target_cls, kwargs):
+    """Trains 10 steps with source_cls, moves its state_dict into target_cls and
+    into source_cls again; both continue with the same losses."""
+    xs, ys = make_data()
+    model = make_model()
+    opt = source_cls(model.parameters(), **kwargs)
+    train(model, opt, xs, ys, 10)
+    state = copy.deepcopy(opt.state_dict())
+
+    model_a, model_b = copy.deepcopy(model), copy.deepcopy(model)
+    a = source_cls(model_a.parameters(), **kwargs)
+    b = target_cls(model_b.parameters(), **kwargs)
+    a.load_state_dict(copy.deepcopy(state))
+    b.load_state_dict(copy.deepcopy(state))
+    losses_a = train(model_a, a, xs[10:], ys[10:], 10)
+    losses_b = train(model_b, b, xs[10:], ys[10:], 10)
+    torch.testing.assert_close(losses_b, losses_a, rtol=RTOL, atol=0)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_state_dict_moves_from_tierflow_to_torch(amsgrad):
+    round_trip(AdamW, torch.optim.AdamW, {"amsgrad": amsgrad, "weight_decay": 0.1})
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_state_dict_moves_from_torch_to_tierflow(amsgrad):
+    round_trip(torch.optim.AdamW, AdamW, {"amsgrad": amsgrad, "weight_decay": 0.1})
+
+
+def test_state_dict_has_torchs_layout():
+    model = make_model()
+    ours = AdamW(model.parameters(), amsgrad=True)
+    peer = torch.optim.AdamW(copy.deepcopy(model).parameters(), amsgrad=True)
+    xs, ys = make_data()
+    train(model, ours, xs, ys, 2)
+    sd = ours.state_dict()
+    assert set(sd["param_groups"][0]) == set(peer.state_dict()["param_groups"][0])
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+    assert sd["state"][0]["step"].dtype == torch.float32 and sd["state"][0]["step"].item() == 2
+
+
+@pytest.mark.parametrize("argument,kwargs,message", [
+    ("lr", {"lr": -1e-3}, "Invalid learning rate: -0.001"),
+    ("eps", {"eps": -1.0}, "Invalid epsilon value: -1.0"),
+    ("betas[0]", {"betas": (1.0, 0.999)}, "Invalid beta parameter at index 0: 1.0"),
+    ("betas[1]", {"betas": (0.9, -0.1)}, "Invalid beta parameter at index 1: -0.1"),
+    ("weight_decay", {"weight_decay": -0.5}, "Invalid weight_decay value: -0.5"),
+    ("lr", {"lr": torch.tensor([1e-3, 1e-3])}, "Tensor lr must be 1-element"),
+    ("capturable", {"capturable": True}, "capturable=True is not supported"),
+    ("differentiable", {"differentiable": True}, "differentiable=True is not supported"),
+    ("offload", {"offload": "disk"}, "Invalid offload: 'disk'"),
+    ("threads", {"threads": 0}, "Invalid threads: 0"),
+])
+@pytest.mark.parametrize("cls", [Adam, AdamW])
+def test_bad_hyper_parameters_raise_value_error_naming_them(cls, argument, kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        cls(make_model().parameters(), **kwargs)
+    # torch says the same where it checks the same.
+    if argument in ("lr", "eps", "betas[0]", "betas[1]", "weight_decay"):
+        with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+            torch.optim.AdamW(make_model().parameters(), **kwargs)
+
+
+def test_foreach_and_fused_are_accepted_and_a_torch_state_dict_carrying_them_loads():
+    model = make_model()
+    peer = torch.optim.AdamW(copy.deepcopy(model).parameters(), fused=True)
+    ours = AdamW(model.parameters(), foreach=True)
+    ours.load_state_dict(peer.state_dict())
+    assert ours.param_groups[0]["fused"] is True
+    with pytest.raises(ValueError, match="`fused` and `foreach` cannot be `True` together"):
+        AdamW(model.parameters(), foreach=True, fused=True)
+
+
+def test_bf16_parameters_match_torch_adamw_on_an_fp32_master():
+    xs, ys = make_data()
+    peer_model = make_model().to(torch.bfloat16)  # torch's recipe: a bf16 model for forward and
+    master_model = copy.deepcopy(peer_model).float()  # backward, its fp32 master for the step
+    ours_model = copy.deepcopy(peer_model)
+    peer = torch.optim.AdamW(master_model.parameters(), weight_decay=0.1)
+    ours = AdamW(ours_model.parameters(), weight_decay=0.1)
+    for x, y in zip(xs[:20], ys[:20]):
+        x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
+        peer_model.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(peer_model(x), y).backward()
+        # The same gradients on both sides, so that a bf16 rounding tie broken
+        # differently cannot grow into two trajectories.
+        for master, low, ours_p in zip(master_model.parameters(), peer_model.parameters(),
+                                       ours_model.parameters()):
+            master.grad = low.grad.float()
+            ours_p.grad = low.grad.clone()
+        peer.step()
+        ours.step()
+        with torch.no_grad():
+            for master, low in zip(master_model.parameters(), peer_model.parameters()):
+                low.copy_(master)
+    for p, master, peer_low in zip(ours_model.parameters(), master_model.parameters(),
+                                   peer_model.parameters()):
+        assert p.dtype == torch.bfloat16
+        assert_close_to(ours.state[p][MASTER_KEY], master, MASTER_KEY)
+        assert ours.state[p]["exp_avg"].dtype == torch.float32
+        # The bf16 parameter is the master rounded, written by the same pass
+        # (equal but where nearly equal masters round to neighbouring bf16s).
+        torch.testing.assert_close(p, peer_low, rtol=2 ** -8, atol=0)
+        assert (p == peer_low).float().mean() > 0.99
+
+
+def test_parameters_without_gradients_are_skipped_and_zero_size_ones_step():
+    frozen = torch.nn.Parameter(torch.ones(4))
+    empty = torch.nn.Parameter(torch.zeros(0))
+    used = torch.nn.Parameter(torch.ones(4))
+    opt = AdamW([frozen, empty, used], lr=0.1)
+    (used.sum() + empty.sum()).backward()
+    opt.step()
+    assert torch.equal(frozen, torch.ones(4)) and frozen not in opt.state
+    assert opt.state[empty]["step"].item() == 1
+    assert (used < 1).all()
+
+
+def test_param_groups_lr_scheduler_and_closure_as_torch():
+    xs, ys = make_data()
+    results = []
+    for cls in (torch.optim.AdamW, AdamW):
+        model = make_model()
+        opt = cls([{"params": model[0].parameters(), "lr": 3e-3},
+                   {"params": model[2].parameters(), "weight_decay": 0.0}], lr=1e-3)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+        losses = []
+        for x, y in zip(xs[:20], ys[:20]):
+            def closure():
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+            losses.append(opt.step(closure).item())
+            sched.step()
+        results.append(losses)
+    assert isinstance(AdamW(make_model().parameters()), torch.optim.Optimizer)
+    torch.testing.assert_close(results[1], results[0], rtol=RTOL, atol=0)
+
+
+def test_parameters_off_the_cpu_or_of_other_dtypes_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"params\[0\] is torch.float64"):
+        AdamW([torch.nn.Parameter(torch.ones(3, dtype=torch.float64))])
