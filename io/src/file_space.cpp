@@ -152,7 +152,8 @@ extent file_space::allocate(std::uint64_t length) {
   if (length == 0) throw user_error("extent of 0 bytes requested");
   const std::uint64_t need = round_up(length);
   lock_guard lock(mutex_);
-  auto carve = [&](std::uint32_t index) -> std::optional<extent> {
+  // The lambda runs only here, under `lock`; the analysis checks it as such.
+  auto carve = [&](std::uint32_t index) TF_REQUIRES(mutex_) -> std::optional<extent> {
     space_file& f = files_[index];
     for (auto it = f.free.begin(); it != f.free.end(); ++it) {
       if (it->second < need) continue;

@@ -89,9 +89,9 @@ class thread_engine final : public engine {
   }
 
   void run() {
-    std::unique_lock<mutex> lock(mutex_);
+    unique_lock lock(mutex_);
     for (;;) {
-      work_.wait(lock, [this]() TF_NO_THREAD_SAFETY_ANALYSIS { return head_ != nullptr || stopping_; });
+      while (head_ == nullptr && !stopping_) lock.wait(work_);
       if (head_ == nullptr) return;  // stopping, and nothing left
       operation& op = *head_;
       std::uint64_t& issued = access::issued(op);
@@ -185,7 +185,7 @@ class thread_engine final : public engine {
 
   static constexpr unsigned max_pool = 256;
   mutex mutex_;
-  std::condition_variable_any work_;
+  std::condition_variable work_;
   operation* head_ TF_GUARDED_BY(mutex_) = nullptr;
   operation* tail_ TF_GUARDED_BY(mutex_) = nullptr;
   bool stopping_ TF_GUARDED_BY(mutex_) = false;

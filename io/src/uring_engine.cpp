@@ -173,13 +173,13 @@ class uring_engine final : public engine {
   file_registration register_file(const file& f) override {
     TF_ASSERT(current_worker == nullptr || current_worker->owner() != this,
               "register_file() from a completion callback");
-    const int slot = take_slot(file_slots_);
+    const int slot = take_slot(slot_table::files);
     if (slot < 0) throw error(ENFILE, error_context{"register file (table full)"}.at(f.path()));
     control_request request{control_request::what::add_file, slot * 2, {f.direct_fd(), f.buffered_fd()}};
     if (const int err = broadcast(request); err != 0) {
       control_request undo{control_request::what::remove_file, slot * 2};
       broadcast(undo);
-      give_slot(file_slots_, slot);
+      give_slot(slot_table::files, slot);
       throw error(err, error_context{"io_uring_register_files_update"}.at(f.path()));
     }
     return make_file_registration(f, slot);
@@ -188,7 +188,7 @@ class uring_engine final : public engine {
   buffer_registration register_buffer(std::span<std::byte> memory) override {
     TF_ASSERT(current_worker == nullptr || current_worker->owner() != this,
               "register_buffer() from a completion callback");
-    const int index = take_slot(buffer_slots_);
+    const int index = take_slot(slot_table::buffers);
     if (index < 0) throw error(ENOBUFS, error_context{"register buffer (table full)"}.range(0, memory.size()));
     bool tables = true;
     for (auto& w : workers_) tables = tables && w->buffers_table();
@@ -202,7 +202,7 @@ class uring_engine final : public engine {
     if (const int err = broadcast(request); err != 0) {
       control_request undo{control_request::what::remove_buffer, index};
       broadcast(undo);
-      give_slot(buffer_slots_, index);
+      give_slot(slot_table::buffers, index);
       throw error(err, error_context{"io_uring_register_buffers_update"}.range(0, memory.size()));
     }
     return make_buffer_registration(memory, index, true);
@@ -222,19 +222,24 @@ class uring_engine final : public engine {
   void unregister_file(const file&, int slot) noexcept override {
     control_request request{control_request::what::remove_file, slot * 2};
     broadcast(request);
-    give_slot(file_slots_, slot);
+    give_slot(slot_table::files, slot);
   }
   void unregister_buffer(int index) noexcept override {
     control_request request{control_request::what::remove_buffer, index};
     bool tables = true;
     for (auto& w : workers_) tables = tables && w->buffers_table();
     if (tables) broadcast(request);
-    give_slot(buffer_slots_, index);
+    give_slot(slot_table::buffers, index);
   }
 
  private:
-  int take_slot(std::vector<bool>& slots) {
+  enum class slot_table { files, buffers };
+  std::vector<bool>& slots_of(slot_table t) TF_REQUIRES(slots_mutex_) {
+    return t == slot_table::files ? file_slots_ : buffer_slots_;
+  }
+  int take_slot(slot_table t) {
     lock_guard lock(slots_mutex_);
+    std::vector<bool>& slots = slots_of(t);
     for (std::size_t i = 0; i < slots.size(); ++i) {
       if (!slots[i]) {
         slots[i] = true;
@@ -243,9 +248,9 @@ class uring_engine final : public engine {
     }
     return -1;
   }
-  void give_slot(std::vector<bool>& slots, int i) noexcept {
+  void give_slot(slot_table t, int i) noexcept {
     lock_guard lock(slots_mutex_);
-    slots[static_cast<std::size_t>(i)] = false;
+    slots_of(t)[static_cast<std::size_t>(i)] = false;
   }
 
   // Runs `request` on every worker's thread (registration must come from the

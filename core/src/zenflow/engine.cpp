@@ -95,7 +95,7 @@ engine::engine(const config& cfg, std::vector<weight_shape> weights, device_side
       pin_thread(worker_.native_handle(), cores_.optimizer);
     } catch (...) {
       {
-        std::lock_guard lock(mutex_);
+        lock_guard lock(mutex_);
         stop_ = true;
       }
       cv_.notify_all();
@@ -107,7 +107,7 @@ engine::engine(const config& cfg, std::vector<weight_shape> weights, device_side
 
 engine::~engine() {
   {
-    std::lock_guard lock(mutex_);
+    lock_guard lock(mutex_);
     stop_ = true;
   }
   cv_.notify_all();
@@ -326,7 +326,7 @@ void engine::close_window() {
     return;
   }
   {
-    std::lock_guard lock(mutex_);
+    lock_guard lock(mutex_);
     TF_ASSERT(pending_ == nullptr && finished_ == nullptr);
     pending_ = &win;
     started_ = false;
@@ -388,8 +388,8 @@ void engine::update_host_columns(window& win, std::size_t w, std::span<const col
 void engine::wait_and_apply() {
   window* done = nullptr;
   if (config_.overlap_step) {
-    std::unique_lock lock(mutex_);
-    cv_.wait(lock, [&] { return pending_ == nullptr; });
+    unique_lock lock(mutex_);
+    while (pending_ != nullptr) lock.wait(cv_);
     done = std::exchange(finished_, nullptr);
     if (cpu_error_) std::rethrow_exception(std::exchange(cpu_error_, nullptr));
   }
@@ -412,8 +412,8 @@ void engine::worker_loop() {
   for (;;) {
     window* win = nullptr;
     {
-      std::unique_lock lock(mutex_);
-      cv_.wait(lock, [&] { return stop_ || (pending_ != nullptr && !started_); });
+      unique_lock lock(mutex_);
+      while (!stop_ && (pending_ == nullptr || started_)) lock.wait(cv_);
       if (stop_) return;
       win = pending_;
       started_ = true;
@@ -425,7 +425,7 @@ void engine::worker_loop() {
       error = std::current_exception();
     }
     {
-      std::lock_guard lock(mutex_);
+      lock_guard lock(mutex_);
       // Published under the lock: the trainer thread reads the window after
       // it sees pending_ cleared, so the CPU step's writes happen-before.
       finished_ = win;

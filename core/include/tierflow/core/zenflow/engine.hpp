@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "tierflow/core/affinity.hpp"
+#include "tierflow/core/thread_annotations.hpp"
 #include "tierflow/core/zenflow/config.hpp"
 #include "tierflow/core/zenflow/selection.hpp"
 
@@ -327,13 +328,13 @@ class engine {
   std::chrono::nanoseconds device_update_time_{0};
 
   // The CPU step in flight: at most one (staleness ≤ one window).
-  std::mutex mutex_;
+  mutex mutex_;
   std::condition_variable cv_;
-  window* pending_ = nullptr;   // submitted, not yet finished
-  window* finished_ = nullptr;  // finished, not yet applied
-  bool started_ = false;        // the worker took pending_
-  std::exception_ptr cpu_error_;
-  bool stop_ = false;
+  window* pending_ TF_GUARDED_BY(mutex_) = nullptr;   // submitted, not yet finished
+  window* finished_ TF_GUARDED_BY(mutex_) = nullptr;  // finished, not yet applied
+  bool started_ TF_GUARDED_BY(mutex_) = false;        // the worker took pending_
+  std::exception_ptr cpu_error_ TF_GUARDED_BY(mutex_);
+  bool stop_ TF_GUARDED_BY(mutex_) = false;
   std::thread worker_;
 
   engine_stats stats_;
