@@ -36,13 +36,13 @@ check "$bin/bench_offload_test" --gtest_filter='*Cuda*'
 scratch=$(mktemp -d /tmp/tierflow-gpu-nvme-XXXXXX)
 for device in cuda sim; do
   check "$bin/tierflow" bench offload --device "$device" --model gpt2-small --nvme-dir "$scratch" \
-    --host-memory 4G --strategy sync,pipelined,zenflow --steps 12 --batch-tokens 262144 \
+    --strategy zero-offload,zero-infinity,zenflow --steps 12 --batch-tokens 262144 \
     --update-interval 4 --json >"$results/offload_$device.json"
   python3 - "$results/offload_$device.json" 2>/dev/null <<'PY' || true
 import json, sys
 for r in json.load(open(sys.argv[1]))["runs"]:
     print({k: r.get(k) for k in ("strategy", "step_seconds", "stall_fraction", "max_step_seconds",
-                                 "compute_seconds_per_step", "device_model")})
+                                 "cpu_wait_per_step_seconds", "compute_seconds_per_step", "device_model")})
 PY
 done
 rm -rf "$scratch"
