@@ -573,6 +573,18 @@ TEST(store_failure, close_with_a_lease_outstanding_is_refused_and_changes_nothin
     EXPECT_NE(std::string(e.what()).find("\"held\""), std::string::npos) << e.what();
   }
   EXPECT_EQ(s.state(b, tier_kind::host), copy_state::dirty);  // not written back meanwhile
+  // A read lease on another block: close() refuses before writing anything back.
+  const block_id other = make(s, "other", 64u << 10, tier_kind::nvme);
+  write(s, other, tier_kind::host, 3);
+  s.release(std::move(held), dirty::no);
+  lease reader = s.acquire(b, tier_kind::host);
+  reader.wait();
+  EXPECT_THROW(s.close(), user_error);
+  EXPECT_EQ(s.state(other, tier_kind::host), copy_state::dirty);
+  EXPECT_EQ(s.state(other, tier_kind::nvme), copy_state::absent);
+  s.release(std::move(reader), dirty::no);
+  held = s.acquire(b, tier_kind::host, access::write);
+  held.wait();
   lease waiting = s.acquire(b, tier_kind::device);            // waits for the writer
   fill(held.data(), 2);
   EXPECT_THROW(s.close(), user_error);
