@@ -73,31 +73,32 @@ std::optional<std::uint64_t> parse_update_interval(const std::string& text) {
   return steps;
 }
 
-bench::offload_options to_options(const offload_flags& f) {
-  bench::offload_options o;
-  o.model = f.model;
-  bench::parse_device(f.device, o);
-  if (o.device == bench::device_kind::cuda && !f.model_flags_given.empty())
-    throw user_error(f.model_flags_given.front() + ": describes the simulated device; --device cuda measures its own");
-  if (f.host_memory != "auto") o.host_memory = parse_size(f.host_memory, "--host-memory");
-  o.nvme_dir = f.nvme_dir;
-  o.optimizer = bench::parse_optimizer(f.optimizer);
-  o.steps = f.steps;
-  o.device_model.tflops = f.tflops;
-  o.device_model.memory_bytes = parse_size(f.device_memory, "--device-memory");
-  o.device_model.hbm_bytes_per_second = f.hbm_gbps * 1e9;
-  o.device_model.pcie_bytes_per_second = f.pcie_gbps * 1e9;
-  o.device_model.pcie_latency_seconds = f.pcie_latency_us * 1e-6;
-  o.batch_tokens = f.batch_tokens;
-  o.update_interval = parse_update_interval(f.update_interval);
-  o.select_interval = f.select_interval;
-  o.topk_ratio = f.topk_ratio;
-  o.overlap = !f.no_overlap;
-  o.threads = f.threads;
-  o.sub_group_elements = parse_size(f.sub_group, "--sub-group");
-  o.depth = f.depth;
-  o.trace_path = f.trace;
-  return o;
+bench::offload_options to_options(const offload_flags& flags) {
+  bench::offload_options options;
+  options.model = flags.model;
+  bench::parse_device(flags.device, options);
+  if (options.device == bench::device_kind::cuda && !flags.model_flags_given.empty())
+    throw user_error(flags.model_flags_given.front() +
+                     ": describes the simulated device; --device cuda measures its own");
+  if (flags.host_memory != "auto") options.host_memory = parse_size(flags.host_memory, "--host-memory");
+  options.nvme_dir = flags.nvme_dir;
+  options.optimizer = bench::parse_optimizer(flags.optimizer);
+  options.steps = flags.steps;
+  options.device_model.tflops = flags.tflops;
+  options.device_model.memory_bytes = parse_size(flags.device_memory, "--device-memory");
+  options.device_model.hbm_bytes_per_second = flags.hbm_gbps * 1e9;
+  options.device_model.pcie_bytes_per_second = flags.pcie_gbps * 1e9;
+  options.device_model.pcie_latency_seconds = flags.pcie_latency_us * 1e-6;
+  options.batch_tokens = flags.batch_tokens;
+  options.update_interval = parse_update_interval(flags.update_interval);
+  options.select_interval = flags.select_interval;
+  options.topk_ratio = flags.topk_ratio;
+  options.overlap = !flags.no_overlap;
+  options.threads = flags.threads;
+  options.sub_group_elements = parse_size(flags.sub_group, "--sub-group");
+  options.depth = flags.depth;
+  options.trace_path = flags.trace;
+  return options;
 }
 
 json summary_json(const bench::step_summary& sum) {
@@ -111,47 +112,47 @@ json summary_json(const bench::step_summary& sum) {
           {"cpu_wait_per_step_seconds", sum.cpu_wait_per_step_seconds}};
 }
 
-json result_json(const bench::offload_plan& plan, const bench::offload_result& r) {
+json result_json(const bench::offload_plan& plan, const bench::offload_result& result) {
   json steps = json::array();
-  for (const auto& s : r.steps) {
-    steps.push_back({{"step", s.step}, {"seconds", s.seconds}, {"compute_seconds", s.compute_seconds},
-                     {"stall_seconds", s.stall_seconds}, {"host_seconds", s.host_seconds},
-                     {"cpu_wait_seconds", s.cpu_wait_seconds}, {"boundary", s.boundary}});
+  for (const auto& step : result.steps) {
+    steps.push_back({{"step", step.step}, {"seconds", step.seconds}, {"compute_seconds", step.compute_seconds},
+                     {"stall_seconds", step.stall_seconds}, {"host_seconds", step.host_seconds},
+                     {"cpu_wait_seconds", step.cpu_wait_seconds}, {"boundary", step.boundary}});
   }
-  json j = summary_json(r.summary);
-  j.update({{"strategy", r.strategy},
-            {"model", plan.model.name},
-            {"parameters", plan.model.parameters()},
-            {"optimizer", bench::to_string(plan.options.optimizer)},
-            {"batch_tokens", plan.options.batch_tokens},
-            {"device", plan.options.device == bench::device_kind::cuda
-                           ? "cuda:" + std::to_string(plan.options.cuda_device)
-                           : std::string("sim")},
-            {"device_model", r.device_model},
-            {"compute_seconds_per_step", r.compute_seconds},
-            {"drain_seconds", r.drain_seconds},
-            {"bytes", r.bytes},
-            {"steps", steps},
-            {"state_on_nvme", plan.memory.state_on_nvme},
-            {"state_bytes", plan.memory.state_bytes},
-            {"host_memory_bytes", plan.host_memory},
-            {"host_stream_bytes", plan.memory.stream_tier},
-            {"optimizer_threads", plan.optimizer_threads},
-            {"optimizer_cpus", r.optimizer_cpus},
-            {"trainer_cpus", r.trainer_cpus}});
-  if (r.optimizer_step_seconds > 0) {
-    j["optimizer_step_seconds"] = r.optimizer_step_seconds;
-    j["io_alone_seconds"] = r.io_alone_seconds;
-    j["compute_alone_seconds"] = r.compute_alone_seconds;
+  json out = summary_json(result.summary);
+  out.update({{"strategy", result.strategy},
+              {"model", plan.model.name},
+              {"parameters", plan.model.parameters()},
+              {"optimizer", bench::to_string(plan.options.optimizer)},
+              {"batch_tokens", plan.options.batch_tokens},
+              {"device", plan.options.device == bench::device_kind::cuda
+                             ? "cuda:" + std::to_string(plan.options.cuda_device)
+                             : std::string("sim")},
+              {"device_model", result.device_model},
+              {"compute_seconds_per_step", result.compute_seconds},
+              {"drain_seconds", result.drain_seconds},
+              {"bytes", result.bytes},
+              {"steps", steps},
+              {"state_on_nvme", plan.memory.state_on_nvme},
+              {"state_bytes", plan.memory.state_bytes},
+              {"host_memory_bytes", plan.host_memory},
+              {"host_stream_bytes", plan.memory.stream_tier},
+              {"optimizer_threads", plan.optimizer_threads},
+              {"optimizer_cpus", result.optimizer_cpus},
+              {"trainer_cpus", result.trainer_cpus}});
+  if (result.optimizer_step_seconds > 0) {
+    out["optimizer_step_seconds"] = result.optimizer_step_seconds;
+    out["io_alone_seconds"] = result.io_alone_seconds;
+    out["compute_alone_seconds"] = result.compute_alone_seconds;
   }
-  if (!r.hideability.empty()) {
-    j["window_compute_seconds"] = r.window_compute_seconds;
-    j["cpu_step_seconds"] = r.cpu_step_seconds;
-    j["host_work_per_step_seconds"] = r.summary.host_work_per_step_seconds;
-    j["refreshes"] = r.refreshes;
-    j["hideability"] = r.hideability;
+  if (!result.hideability.empty()) {
+    out["window_compute_seconds"] = result.window_compute_seconds;
+    out["cpu_step_seconds"] = result.cpu_step_seconds;
+    out["host_work_per_step_seconds"] = result.summary.host_work_per_step_seconds;
+    out["refreshes"] = result.refreshes;
+    out["hideability"] = result.hideability;
   }
-  return j;
+  return out;
 }
 
 std::string cpu_list(const std::vector<int>& cpus) {
@@ -160,58 +161,61 @@ std::string cpu_list(const std::vector<int>& cpus) {
   return out.empty() ? std::string("-") : out;
 }
 
-void print_steps(const bench::offload_result& r) {
+void print_steps(const bench::offload_result& result) {
   std::printf("  %-6s %10s %10s %10s %10s %10s\n", "step", "seconds", "compute", "stall", "host", "cpu wait");
-  for (const auto& s : r.steps) {
-    const bool counted = s.step >= r.summary.warm_up_steps && s.step < r.summary.warm_up_steps + r.summary.counted_steps;
-    std::printf("  %-6llu %10.3f %10.3f %10.3f %10.3f %10.3f%s%s\n", static_cast<unsigned long long>(s.step),
-                s.seconds, s.compute_seconds, s.stall_seconds, s.host_seconds, s.cpu_wait_seconds,
-                s.boundary ? "  update" : "", counted ? "" : "  (not counted)");
+  for (const auto& step : result.steps) {
+    const std::uint64_t first = result.summary.warm_up_steps, end = first + result.summary.counted_steps;
+    const bool counted = step.step >= first && step.step < end;
+    std::printf("  %-6llu %10.3f %10.3f %10.3f %10.3f %10.3f%s%s\n", static_cast<unsigned long long>(step.step),
+                step.seconds, step.compute_seconds, step.stall_seconds, step.host_seconds, step.cpu_wait_seconds,
+                step.boundary ? "  update" : "", counted ? "" : "  (not counted)");
   }
 }
 
-void print_human(const bench::offload_plan& plan, const bench::offload_result& r) {
-  std::printf("\n%s — %s, %s parameters, %s, batch %llu tokens\n", r.strategy.c_str(), plan.model.name.c_str(),
+void print_human(const bench::offload_plan& plan, const bench::offload_result& result) {
+  std::printf("\n%s — %s, %s parameters, %s, batch %llu tokens\n", result.strategy.c_str(), plan.model.name.c_str(),
               format_bytes(static_cast<double>(plan.model.parameters())).c_str(),
               bench::to_string(plan.options.optimizer), static_cast<unsigned long long>(plan.options.batch_tokens));
   std::printf("  state %s on %s, streamed through %s of pinned host memory by %u optimizer thread(s)\n",
               format_bytes(static_cast<double>(plan.memory.state_bytes)).c_str(),
               plan.memory.state_on_nvme ? "NVMe" : "the host",
               format_bytes(static_cast<double>(plan.memory.stream_tier)).c_str(), plan.optimizer_threads);
-  if (!r.optimizer_cpus.empty())
+  if (!result.optimizer_cpus.empty())
     std::printf("  optimizer threads pinned to CPUs %s, the trainer's thread to %s (pt_reserved_cores_perc)\n",
-                cpu_list(r.optimizer_cpus).c_str(), cpu_list(r.trainer_cpus).c_str());
-  print_steps(r);
-  const bench::step_summary& sum = r.summary;
+                cpu_list(result.optimizer_cpus).c_str(), cpu_list(result.trainer_cpus).c_str());
+  print_steps(result);
+  const bench::step_summary& summary = result.summary;
   std::printf("  steps %llu-%llu (%llu whole windows): mean step %.3f s (median %.3f, max %.3f), device compute "
               "%.3f s/step, stall fraction %.3f, CPU-step wait %.3f s/step\n",
-              static_cast<unsigned long long>(sum.warm_up_steps),
-              static_cast<unsigned long long>(sum.warm_up_steps + sum.counted_steps - 1),
-              static_cast<unsigned long long>(sum.windows), sum.step_seconds, sum.median_step_seconds,
-              sum.max_step_seconds, r.compute_seconds, sum.stall_fraction, sum.cpu_wait_per_step_seconds);
-  if (r.optimizer_step_seconds > 0) {
-    const double bound = std::max(r.io_alone_seconds, r.compute_alone_seconds);
+              static_cast<unsigned long long>(summary.warm_up_steps),
+              static_cast<unsigned long long>(summary.warm_up_steps + summary.counted_steps - 1),
+              static_cast<unsigned long long>(summary.windows), summary.step_seconds, summary.median_step_seconds,
+              summary.max_step_seconds, result.compute_seconds, summary.stall_fraction,
+              summary.cpu_wait_per_step_seconds);
+  if (result.optimizer_step_seconds > 0) {
+    const double bound = std::max(result.io_alone_seconds, result.compute_alone_seconds);
     std::printf("  optimizer step %.3f s = %.2fx max(I/O alone %.3f s, compute alone %.3f s)\n",
-                r.optimizer_step_seconds, r.optimizer_step_seconds / bound, r.io_alone_seconds,
-                r.compute_alone_seconds);
+                result.optimizer_step_seconds, result.optimizer_step_seconds / bound, result.io_alone_seconds,
+                result.compute_alone_seconds);
   }
-  if (!r.hideability.empty())
-    std::printf("  %s; %llu selection(s), the first among them\n", r.hideability.c_str(),
-                static_cast<unsigned long long>(r.refreshes));
+  if (!result.hideability.empty())
+    std::printf("  %s; %llu selection(s), the first among them\n", result.hideability.c_str(),
+                static_cast<unsigned long long>(result.refreshes));
   std::printf("  bytes:");
-  for (const auto& [link, bytes] : r.bytes)
+  for (const auto& [link, bytes] : result.bytes)
     std::printf(" %s %s;", link.c_str(), format_bytes(static_cast<double>(bytes)).c_str());
-  std::printf("\n  drain after the measured span %.3f s\n", r.drain_seconds);
+  std::printf("\n  drain after the measured span %.3f s\n", result.drain_seconds);
 }
 
 const char* const peer = "zero-offload";  // what every ratio is against
 
 void print_side_by_side(const std::vector<bench::offload_result>& results, const bench::offload_result& base) {
   std::printf("\nside by side (mean step, relative to %s):\n", peer);
-  for (const auto& r : results)
-    std::printf("  %-14s %8.3f s  %6.2fx  stall %.3f  max/median %.2f\n", r.strategy.c_str(),
-                r.summary.step_seconds, r.summary.step_seconds / base.summary.step_seconds, r.summary.stall_fraction,
-                r.summary.max_step_seconds / r.summary.median_step_seconds);
+  for (const auto& result : results)
+    std::printf("  %-14s %8.3f s  %6.2fx  stall %.3f  max/median %.2f\n", result.strategy.c_str(),
+                result.summary.step_seconds, result.summary.step_seconds / base.summary.step_seconds,
+                result.summary.stall_fraction,
+                result.summary.max_step_seconds / result.summary.median_step_seconds);
 }
 
 void run(const offload_flags& flags) {
@@ -221,10 +225,11 @@ void run(const offload_flags& flags) {
   // Every plan is made (and so every value checked) before any work starts.
   std::vector<bench::offload_plan> plans;
   for (const auto& s : strategies) {
-    bench::offload_options o = to_options(flags);
-    o.strategy = bench::parse_strategy(s);
-    if (strategies.size() > 1 && !o.trace_path.empty()) o.trace_path += "." + std::string(to_string(o.strategy)) + ".json";
-    plans.push_back(bench::make_plan(o));
+    bench::offload_options options = to_options(flags);
+    options.strategy = bench::parse_strategy(s);
+    if (strategies.size() > 1 && !options.trace_path.empty())
+      options.trace_path += "." + std::string(to_string(options.strategy)) + ".json";
+    plans.push_back(bench::make_plan(options));
   }
   if (!flags.as_json) std::printf("%s\n", plans[0].device_description.c_str());
 
@@ -236,16 +241,17 @@ void run(const offload_flags& flags) {
     else print_human(plan, results.back());
   }
   const bench::offload_result* base = nullptr;
-  for (const auto& r : results)
-    if (r.strategy == peer) base = &r;
+  for (const auto& result : results)
+    if (result.strategy == peer) base = &result;
   if (flags.as_json) {
     if (runs.size() == 1) {
       std::cout << runs[0].dump(2) << '\n';
       return;
     }
     json out = {{"runs", runs}};
-    for (const auto& r : results)
-      if (base && &r != base) out["step_ratio_vs_zero_offload"][r.strategy] = r.summary.step_seconds / base->summary.step_seconds;
+    for (const auto& result : results)
+      if (base && &result != base)
+        out["step_ratio_vs_zero_offload"][result.strategy] = result.summary.step_seconds / base->summary.step_seconds;
     std::cout << out.dump(2) << '\n';
     return;
   }

@@ -277,8 +277,8 @@ class cuda_timeline final : public device_timeline {
   }
   void copy_gradient(std::uint64_t offset, std::uint64_t bytes) {
     if (bytes == 0) return;
-    TF_CUDA_CHECK(cudaMemcpyAsync(staging_down_.data() + offset, static_cast<std::byte*>(buffers_.gradients.get()) + offset,
-                                  bytes, cudaMemcpyDeviceToHost, down_.get()),
+    const auto* from = static_cast<const std::byte*>(buffers_.gradients.get()) + offset;
+    TF_CUDA_CHECK(cudaMemcpyAsync(staging_down_.data() + offset, from, bytes, cudaMemcpyDeviceToHost, down_.get()),
                   cuda_context("cudaMemcpyAsync gradient download"));
   }
   clock::time_point at(const cuda_event& e) const {

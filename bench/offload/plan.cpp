@@ -200,38 +200,39 @@ void check_nvme_space(const std::string& dir, std::uint64_t state_bytes) {
 // Host memory: gradient windows and staging first, the stream tier gets the
 // rest. Without --host-memory the run takes what it needs, if the machine
 // has that much available.
-void plan_host_memory(offload_plan& plan, const state_totals& t) {
-  const offload_options& o = plan.options;
-  memory_plan& m = plan.memory;
-  m.state_bytes = t.state_bytes;
-  m.largest_sub_group = t.largest_sub_group;
-  m.state_on_nvme = o.strategy == strategy::zero_infinity || (o.strategy == strategy::zenflow && !o.nvme_dir.empty());
-  m.gradient_staging = aligned_size(t.largest_elements * sizeof(float));
-  if (o.strategy == strategy::zenflow) m.accumulators = (o.overlap ? 2 : 1) * t.matrix_elements * sizeof(float);
-  const std::uint64_t fixed = m.accumulators + m.gradient_staging;
-  const std::uint64_t minimum_stream = o.depth * t.largest_sub_group + (1u << 20);
-  const std::uint64_t needed = fixed + (m.state_on_nvme ? minimum_stream : std::max(minimum_stream, t.state_bytes));
-  if (!o.host_memory) {
+void plan_host_memory(offload_plan& plan, const state_totals& totals) {
+  const offload_options& options = plan.options;
+  memory_plan& memory = plan.memory;
+  memory.state_bytes = totals.state_bytes;
+  memory.largest_sub_group = totals.largest_sub_group;
+  const bool zenflow = options.strategy == strategy::zenflow;
+  memory.state_on_nvme = options.strategy == strategy::zero_infinity || (zenflow && !options.nvme_dir.empty());
+  memory.gradient_staging = aligned_size(totals.largest_elements * sizeof(float));
+  if (zenflow) memory.accumulators = (options.overlap ? 2 : 1) * totals.matrix_elements * sizeof(float);
+  const std::uint64_t fixed = memory.accumulators + memory.gradient_staging;
+  const std::uint64_t minimum_stream = options.depth * totals.largest_sub_group + (1u << 20);
+  const std::uint64_t stream = memory.state_on_nvme ? minimum_stream : std::max(minimum_stream, totals.state_bytes);
+  if (!options.host_memory) {
     const std::uint64_t available = tiers::probe_host().available_memory_bytes;
-    if (needed > available)
-      throw user_error("--host-memory: this run needs " + bytes_text(needed) + " and the machine has " +
+    if (fixed + stream > available)
+      throw user_error("--host-memory: this run needs " + bytes_text(fixed + stream) + " and the machine has " +
                        bytes_text(available) + " available; give --nvme-dir, a smaller --model or --host-memory");
   }
-  plan.host_memory = o.host_memory.value_or(needed);
+  plan.host_memory = options.host_memory.value_or(fixed + stream);
   if (plan.host_memory < fixed + minimum_stream) {
-    throw user_error("--host-memory: " + bytes_text(plan.host_memory) + " cannot hold " +
-                     (m.accumulators ? "the gradient windows (" + bytes_text(m.accumulators) + ") and "
-                                     : std::string()) +
-                     std::to_string(o.depth) + " sub-groups of " + bytes_text(t.largest_sub_group) +
+    const std::string windows =
+        memory.accumulators ? "the gradient windows (" + bytes_text(memory.accumulators) + ") and " : "";
+    throw user_error("--host-memory: " + bytes_text(plan.host_memory) + " cannot hold " + windows +
+                     std::to_string(options.depth) + " sub-groups of " + bytes_text(totals.largest_sub_group) +
                      "; it needs at least " + bytes_text(fixed + minimum_stream) + " (or a smaller --sub-group)");
   }
-  m.stream_tier = plan.host_memory - fixed;
-  if (m.state_on_nvme) check_nvme_space(o.nvme_dir, t.state_bytes);
-  if (!m.state_on_nvme && t.state_bytes > m.stream_tier) {
-    throw user_error("--host-memory: the optimizer state (" + bytes_text(t.state_bytes) + ") does not fit in the " +
-                     bytes_text(m.stream_tier) + " left for it; " +
-                     (o.strategy == strategy::zenflow ? "give --nvme-dir to keep it on NVMe, or " : "") +
-                     "at least " + bytes_text(t.state_bytes + fixed) + " of --host-memory");
+  memory.stream_tier = plan.host_memory - fixed;
+  if (memory.state_on_nvme) check_nvme_space(options.nvme_dir, totals.state_bytes);
+  if (!memory.state_on_nvme && totals.state_bytes > memory.stream_tier) {
+    throw user_error("--host-memory: the optimizer state (" + bytes_text(totals.state_bytes) +
+                     ") does not fit in the " + bytes_text(memory.stream_tier) + " left for it; " +
+                     (zenflow ? "give --nvme-dir to keep it on NVMe, or " : "") + "at least " +
+                     bytes_text(totals.state_bytes + fixed) + " of --host-memory");
   }
 }
 
@@ -242,68 +243,73 @@ std::string cuda_description(const tiers::gpu& g) {
 }
 
 // The device: what it must hold, against what it has.
-void plan_device(offload_plan& plan, const state_totals& t) {
-  const offload_options& o = plan.options;
-  device_memory_plan& dm = plan.device_memory;
-  dm.parameters = plan.parameter_bytes;
-  dm.gradients = plan.gradient_bytes;
-  if (o.strategy == strategy::zenflow) {
-    const auto selected = static_cast<std::uint64_t>(std::ceil(o.topk_ratio * static_cast<double>(t.matrix_elements)));
+void plan_device(offload_plan& plan, const state_totals& totals) {
+  const offload_options& options = plan.options;
+  device_memory_plan& held = plan.device_memory;
+  held.parameters = plan.parameter_bytes;
+  held.gradients = plan.gradient_bytes;
+  if (options.strategy == strategy::zenflow) {
+    const double matrices = static_cast<double>(totals.matrix_elements);
+    const auto selected = static_cast<std::uint64_t>(std::ceil(options.topk_ratio * matrices));
     // fp32 master and two moments of what the device owns, and a bf16
     // staging copy of every 2-D weight for the windows' uploads.
-    dm.zenflow_state = 12 * (selected + t.vector_elements) + 2 * t.matrix_elements;
+    held.zenflow_state = 12 * (selected + totals.vector_elements) + 2 * totals.matrix_elements;
   }
   std::uint64_t widest = 0, largest_matrix = 0;
   for (const auto& w : plan.model.matmuls()) {
     widest = std::max({widest, w.rows, w.cols});
     largest_matrix = std::max(largest_matrix, w.elements());
   }
-  dm.micro_batch_tokens = std::min<std::uint64_t>(o.batch_tokens, 8192);
-  dm.working_set = 2 * (2 * dm.micro_batch_tokens * widest) + 2 * (2 * largest_matrix);  // bf16
-  std::uint64_t device_bytes = o.device_model.memory_bytes;
+  held.micro_batch_tokens = std::min<std::uint64_t>(options.batch_tokens, 8192);
+  held.working_set = 2 * (2 * held.micro_batch_tokens * widest) + 2 * (2 * largest_matrix);  // bf16
+  std::uint64_t device_bytes = options.device_model.memory_bytes;
   const char* memory_flag = "--device-memory";
-  plan.device_description = o.device_model.describe();
-  if (o.device == device_kind::cuda) {
-    if (o.strategy == strategy::zenflow && o.optimizer == optimizer_kind::muon)
+  plan.device_description = options.device_model.describe();
+  if (options.device == device_kind::cuda) {
+    if (options.strategy == strategy::zenflow && options.optimizer == optimizer_kind::muon)
       throw user_error("--device cuda: ZenFlow with Muon runs on the simulated device only; the CUDA device side "
                        "updates with Adam/AdamW (use --optimizer adamw, or --strategy zero-offload or zero-infinity)");
-    const tiers::gpu g = find_cuda_device(o);
+    const tiers::gpu g = find_cuda_device(options);
     device_bytes = g.memory_bytes;
     memory_flag = "--device cuda";
     plan.device_description = cuda_description(g);
   }
-  if (dm.total() > device_bytes) {
+  if (held.total() > device_bytes) {
+    const std::string zenflow_state =
+        held.zenflow_state ? ", ZenFlow's device state (" + bytes_text(held.zenflow_state) + ")" : "";
     throw user_error(std::string(memory_flag) + ": the device's " + bytes_text(device_bytes) +
-                     " cannot hold the bf16 parameters and gradients (" + bytes_text(dm.parameters + dm.gradients) +
-                     ")" + (dm.zenflow_state ? ", ZenFlow's device state (" + bytes_text(dm.zenflow_state) + ")"
-                                             : std::string()) +
-                     " and one layer's working set at " + std::to_string(dm.micro_batch_tokens) + " tokens (" +
-                     bytes_text(dm.working_set) + "); it needs at least " + bytes_text(dm.total()));
+                     " cannot hold the bf16 parameters and gradients (" +
+                     bytes_text(held.parameters + held.gradients) + ")" + zenflow_state +
+                     " and one layer's working set at " + std::to_string(held.micro_batch_tokens) + " tokens (" +
+                     bytes_text(held.working_set) +
+                     "); it needs at least " + bytes_text(held.total()));
   }
 }
 
 }  // namespace
 
-offload_plan make_plan(const offload_options& o) {
+offload_plan make_plan(const offload_options& options) {
   offload_plan plan;
-  plan.options = o;
-  check_flags(o);
-  plan.model = make_model(o.model);
-  plan.zenflow = zenflow_config(o);
-  plan.chunks = cut_into_sub_groups(plan.model, o);
-  const state_totals totals = count_state(plan.chunks, o.optimizer);
+  plan.options = options;
+  check_flags(options);
+  plan.model = make_model(options.model);
+  plan.zenflow = zenflow_config(options);
+  plan.chunks = cut_into_sub_groups(plan.model, options);
+  const state_totals totals = count_state(plan.chunks, options.optimizer);
   plan.gradient_bytes = 2 * totals.elements;
   plan.parameter_bytes = 2 * totals.elements;
   plan_host_memory(plan, totals);
 
   // DeepSpeed's CPU Adam runs on every core; ZenFlow leaves the trainer its share.
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const unsigned unreserved = std::max(1u, static_cast<unsigned>(std::lround(cores * (1.0 - o.reserved_cores))));
-  plan.optimizer_threads = o.threads ? o.threads : o.strategy == strategy::zenflow ? unreserved : cores;
-  plan.step_compute_seconds = o.device_model.compute_seconds(plan.model.step_flops(o.batch_tokens));
+  const unsigned unreserved =
+      std::max(1u, static_cast<unsigned>(std::lround(cores * (1.0 - options.reserved_cores))));
+  const bool zenflow = options.strategy == strategy::zenflow;
+  plan.optimizer_threads = options.threads ? options.threads : zenflow ? unreserved : cores;
+  plan.step_compute_seconds = options.device_model.compute_seconds(plan.model.step_flops(options.batch_tokens));
   plan_device(plan, totals);
   plan.last_backward_seconds =
-      o.device_model.compute_seconds(plan.model.step_flops(plan.device_memory.micro_batch_tokens)) * 4.0 / 6.0;
+      options.device_model.compute_seconds(plan.model.step_flops(plan.device_memory.micro_batch_tokens)) * 4.0 / 6.0;
   return plan;
 }
 

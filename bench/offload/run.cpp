@@ -39,12 +39,18 @@ std::span<float> as_floats(std::span<std::byte> bytes, std::uint64_t elements) {
 class optim_rule final : public zenflow::update_rule {
  public:
   optim_rule(const std::vector<chunk>& chunks, optim::executor& ex)
-      : chunks_(chunks), ex_(ex), adam_(optim::adam_options::adamw()), muon_(optim::muon_options{}) {}
+      : chunks_(chunks), ex_(ex), adam_options_(optim::adam_options::adamw()), adam_(adam_options_),
+        muon_(optim::muon_options{}) {}
 
   zenflow::granularity unit(std::size_t w) const noexcept override {
     return chunks_[w].muon ? zenflow::granularity::matrix : zenflow::granularity::columns;
   }
   std::size_t state_count() const noexcept override { return 2; }
+  // Adam's moments rebased to the step count of the side they cross to;
+  // Muon's momentum has no step-dependent correction.
+  void rebase_state(const zenflow::crossing_args& a) override {
+    if (!chunks_[a.weight_index].muon) zenflow::rebase_adam_moments(a, adam_options_.beta1, adam_options_.beta2);
+  }
   void apply(const zenflow::update_args& a) override {
     if (chunks_[a.weight_index].muon) {
       optim::muon_matrix m;
@@ -67,6 +73,7 @@ class optim_rule final : public zenflow::update_rule {
  private:
   const std::vector<chunk>& chunks_;
   optim::executor& ex_;
+  optim::adam_options adam_options_;
   optim::adam_optimizer adam_;
   optim::muon_optimizer muon_;
 };
