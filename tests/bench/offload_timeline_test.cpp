@@ -133,7 +133,8 @@ class expectations {
 // Runs the script until a run shows what `expect` says, at most three
 // times: a busy machine (other tests, a build) only ever delays a sleeping
 // thread, and a closed form missed three times over is missed.
-std::string misses_in_three_runs(const script& sc, const std::function<void(const scripted_run&, expectations&)>& expect) {
+std::string misses_in_three_runs(const script& sc,
+                                 const std::function<void(const scripted_run&, expectations&)>& expect) {
   std::string misses;
   for (int attempt = 0; attempt < 3; ++attempt) {
     expectations e;
