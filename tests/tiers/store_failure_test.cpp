@@ -8,11 +8,13 @@
 // A store that loops would hang the test, so every call that could loop runs
 // through returns_within(), which fails the test instead.
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -474,6 +476,89 @@ TEST(store_failure, a_corrupt_block_fails_every_read_until_rewritten) {
   s.evict(bad, tier_kind::host);
   s.flush();
   EXPECT_TRUE(reads(s, bad, tier_kind::device, 11));
+  s.check_invariants();
+}
+
+// ---- a disk that cannot grow -----------------------------------------------------
+
+// Lowers this process's file-size limit (RLIMIT_FSIZE) for its life, so that
+// preallocating one more NVMe file fails as on a full disk (EFBIG; SIGXFSZ
+// ignored), and restores it after.
+class file_size_limit {
+ public:
+  explicit file_size_limit(rlim_t bytes) {
+    ::getrlimit(RLIMIT_FSIZE, &saved_);
+    old_handler_ = std::signal(SIGXFSZ, SIG_IGN);
+    rlimit lowered = saved_;
+    lowered.rlim_cur = bytes;
+    ok_ = ::setrlimit(RLIMIT_FSIZE, &lowered) == 0;
+  }
+  ~file_size_limit() {
+    ::setrlimit(RLIMIT_FSIZE, &saved_);
+    std::signal(SIGXFSZ, old_handler_);
+  }
+  file_size_limit(const file_size_limit&) = delete;
+  file_size_limit& operator=(const file_size_limit&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  rlimit saved_{};
+  void (*old_handler_)(int) = SIG_DFL;
+  bool ok_ = false;
+};
+
+// The NVMe tier cannot preallocate another file: creating a block there, and
+// loading a copy into it, are errors naming the block and the tier; what is
+// stored is untouched, and once the disk can grow both succeed.
+TEST(store_failure, an_nvme_tier_that_cannot_grow_fails_the_request_not_the_store) {
+  scratch_dir dir;
+  auto config = small_store_config(dir);
+  config.nvme->file_size = 1u << 20;  // a second file is needed past 1 MiB
+  auto store = tiers::make_store(std::move(config));
+  block_store& s = *store;
+  const block_id a = make(s, "a", 512u << 10, tier_kind::nvme);
+  const block_id b = make(s, "b", 512u << 10, tier_kind::nvme);  // file 0 is full
+  const block_id h = make(s, "h", 64u << 10, tier_kind::host);
+  write(s, a, tier_kind::host, 1);
+  write(s, b, tier_kind::host, 2);
+  write(s, h, tier_kind::host, 3);
+  s.evict(a, tier_kind::host);
+  s.evict(b, tier_kind::host);
+  s.flush();
+  {
+    file_size_limit limit(256u << 10);
+    if (!limit.ok()) GTEST_SKIP() << "setrlimit(RLIMIT_FSIZE) refused here";
+    try {
+      make(s, "c", 512u << 10, tier_kind::nvme);
+      ADD_FAILURE() << "no error";
+    } catch (const user_error& e) {
+      ADD_FAILURE() << "a user error for a disk that cannot grow: " << e.what();
+    } catch (const tierflow::error& e) {
+      EXPECT_EQ(e.context().block, "c") << e.what();
+      EXPECT_EQ(e.context().tier, "nvme") << e.what();
+      EXPECT_EQ(e.errnum(), EFBIG) << e.what();
+    }
+    EXPECT_FALSE(s.find("c"));
+    lease into_nvme = s.acquire(h, tier_kind::nvme);  // a load host -> nvme needs an extent
+    const std::exception_ptr waited =
+        returns_within(patience, "wait() for a copy the tier has no room for",
+                       [&] { into_nvme.wait(); });
+    expect_error(waited, EFBIG, "h");
+    into_nvme = lease();
+    EXPECT_EQ(s.state(h, tier_kind::nvme), copy_state::absent);
+    s.check_invariants();
+  }
+  const block_id c = make(s, "c", 512u << 10, tier_kind::nvme);
+  write(s, c, tier_kind::host, 4);
+  s.evict(c, tier_kind::host);
+  s.flush();
+  EXPECT_TRUE(reads(s, a, tier_kind::host, 1));
+  EXPECT_TRUE(reads(s, b, tier_kind::device, 2));
+  EXPECT_TRUE(reads(s, c, tier_kind::host, 4));
+  lease copy = s.acquire(h, tier_kind::nvme);
+  copy.wait();
+  copy = lease();
+  EXPECT_EQ(s.state(h, tier_kind::nvme), copy_state::valid);
   s.check_invariants();
 }
 
