@@ -18,7 +18,7 @@ def assert_close_to(actual, expected, what=""):
     for-loop step and tierflow's fused one round differently (as torch's own
     fused and for-loop steps do), so an element near zero after 50 steps at lr
     1e-2 differs by up to 1.5e-7 absolute from one near 1e-2 in magnitude."""
-    atol = RTOL * float(expected.abs().max()) if expected.numel() else 0.0
+    atol = RTOL * float(expected.detach().abs().max()) if expected.numel() else 0.0
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol,
                                msg=lambda m: f"{what}: {m}")
 
@@ -246,3 +246,40 @@ def test_param_groups_lr_scheduler_and_closure_as_torch():
 def test_parameters_off_the_cpu_or_of_other_dtypes_are_refused_by_name():
     with pytest.raises(ValueError, match=r"params\[0\] is torch.float64"):
         AdamW([torch.nn.Parameter(torch.ones(3, dtype=torch.float64))])
+
+
+def test_bf16_state_keeps_its_fp32_master_through_state_dicts():
+    xs, ys = make_data()
+    model = make_model().to(torch.bfloat16)
+    opt = AdamW(model.parameters())
+    x, y = xs[0].to(torch.bfloat16), ys[0].to(torch.bfloat16)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+
+    # tierflow -> tierflow: torch's stock load would round the master to bf16.
+    again = AdamW(copy.deepcopy(model).parameters())
+    again.load_state_dict(copy.deepcopy(saved))
+    for p, q in zip(opt.state.values(), again.state.values()):
+        for key in (MASTER_KEY, "exp_avg", "exp_avg_sq"):
+            assert q[key].dtype == torch.float32
+            assert torch.equal(q[key], p[key]), key
+
+    # tierflow -> torch, which steps (carrying the master along untouched, so
+    # stale), then back: the master is made again from the parameter.
+    peer_model = copy.deepcopy(model)
+    peer = torch.optim.AdamW(peer_model.parameters())
+    peer.load_state_dict(copy.deepcopy(saved))
+    torch.nn.functional.mse_loss(peer_model(x), y).backward()
+    peer.step()
+    back_model = copy.deepcopy(peer_model)
+    back = AdamW(back_model.parameters())
+    back.load_state_dict(copy.deepcopy(peer.state_dict()))
+    for p in back_model.parameters():
+        assert torch.equal(back.state[p][MASTER_KEY], p.float())
+    torch.nn.functional.mse_loss(back_model(x), y).backward()
+    back.step()
+    for p in back_model.parameters():
+        assert back.state[p][MASTER_KEY].dtype == torch.float32
+        assert back.state[p]["exp_avg"].dtype == torch.float32
+        assert back.state[p]["step"].item() == 3

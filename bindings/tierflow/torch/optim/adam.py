@@ -251,7 +251,9 @@ class Adam(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, except that the fp32 master and moments of a bf16/fp16
         parameter stay fp32 (torch's load casts every state tensor to its
-        parameter's dtype)."""
+        parameter's dtype). A master that does not round to the parameter was
+        carried, untouched, through an optimizer that updated the parameter
+        alone (torch.optim's): it is made again from the parameter."""
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -259,9 +261,13 @@ class Adam(Optimizer):
             saved = state_dict["state"].get(saved_id)
             if p.dtype not in _LOW_PRECISION or saved is None:
                 continue
+            state = self.state[p]
             for key in _FP32_STATE:
                 if torch.is_tensor(saved.get(key)):
-                    self.state[p][key] = saved[key].to(device="cpu", dtype=torch.float32, copy=True)
+                    state[key] = saved[key].to(device="cpu", dtype=torch.float32, copy=True)
+            master = state.get(MASTER_KEY)
+            if master is not None and not torch.equal(master.to(p.dtype), p.detach()):
+                state[MASTER_KEY] = p.detach().to(torch.float32, copy=True)
         for group in self.param_groups:
             _check_group(group)
 
