@@ -3,8 +3,10 @@
 # Idempotent: when every package is already present it only checks and returns.
 #
 #   scripts/setup.sh            system packages (build, test, fio as the I/O peer,
-#                               clang-16 for the thread-safety analysis)
-#   scripts/setup.sh --bench    also the Python benchmark peers (torch, deepspeed) in .venv/
+#                               clang-16 for the thread-safety analysis), and .venv/
+#                               with torch, the Python test tools and the tierflow
+#                               package built from this tree
+#   scripts/setup.sh --bench    also the Python benchmark peers (deepspeed) in .venv/
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -35,11 +37,29 @@ if ((${#missing[@]})); then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# .venv/: the tierflow Python package and what it and its tests need, from PyPI.
+# Each install runs only when an import says it is missing, so a full venv costs
+# the package's incremental rebuild alone. PyPI's torch is the CUDA build (about
+# 4 GB with its nvidia wheels): pip's cache serves it again on a fresh clone.
+venv_python=$here/.venv/bin/python
+[[ -x $venv_python ]] || python3 -m venv "$here/.venv"
+if ! "$venv_python" -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.split(".")[:2])) < (2, 9))' 2>/dev/null; then
+  echo "setup.sh: installing torch into .venv/"
+  "$venv_python" -m pip install -q 'torch>=2.9'
+fi
+if ! "$venv_python" -c 'import numpy, pytest, nanobind, scikit_build_core' 2>/dev/null; then
+  "$venv_python" -m pip install -q numpy pytest 'nanobind>=2.0' 'scikit-build-core>=0.10'
+fi
+# The package: pyproject.toml builds the CMake project (the extension target
+# only) in build/python, reused by the next install; no build isolation, so
+# the venv's nanobind and the system's cmake and ninja build it.
+launchers=()
+if command -v ccache >/dev/null; then
+  for lang in C CXX CUDA; do launchers+=("-Ccmake.define.CMAKE_${lang}_COMPILER_LAUNCHER=ccache"); done
+fi
+"$venv_python" -m pip install -q --no-build-isolation "${launchers[@]}" "$here"
+
 if [[ ${1:-} == --bench ]]; then
-  if [[ ! -x $here/.venv/bin/python ]]; then
-    python3 -m venv "$here/.venv"
-  fi
-  "$here/.venv/bin/pip" install -q --upgrade pip >/dev/null
-  "$here/.venv/bin/pip" install -q -r "$here/scripts/requirements-bench.txt"
+  "$venv_python" -m pip install -q -r "$here/scripts/requirements-bench.txt"
 fi
 echo "setup.sh: dependencies present"

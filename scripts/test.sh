@@ -5,7 +5,9 @@
 #      compile_commands.json (a parse per file, not another build);
 #   3. the same tests built with AddressSanitizer + UndefinedBehaviorSanitizer;
 #   4. the concurrent tests (block store, links, scheduler, ZenFlow engine)
-#      built with ThreadSanitizer.
+#      built with ThreadSanitizer;
+#   5. the Python package's tests (pytest over tests/python, in .venv/, which
+#      setup.sh made and installed the package into).
 # Fails on the first failure.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -36,3 +38,6 @@ cmake --build "$here/build-tsan" -j "$(nproc)" --target store_test store_stress_
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   ctest --test-dir build-tsan --output-on-failure -j "$(nproc)" \
   -R '^(store|store_stress|store_failure|store_failure/persistent_writeback_failure|link|fair_queue|Scheduler|OptimizerStream|ZenflowEngine)\.'
+
+echo "== Python package tests"
+"$here/.venv/bin/python" -m pytest -q "$here/tests/python"
