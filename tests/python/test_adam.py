@@ -283,3 +283,33 @@ def test_bf16_state_keeps_its_fp32_master_through_state_dicts():
         assert back.state[p][MASTER_KEY].dtype == torch.float32
         assert back.state[p]["exp_avg"].dtype == torch.float32
         assert back.state[p]["step"].item() == 3
+
+
+def test_the_step_releases_the_gil_while_it_runs():
+    """Another Python thread runs while a long step is in the kernel: with the
+    GIL held it could not run at all in the middle of the step."""
+    import threading
+    import time
+
+    n = 1 << 24
+    param = torch.nn.Parameter(torch.zeros(n))
+    param.grad = torch.ones(n)
+    opt = AdamW([param], threads=1)
+    opt.step()  # the state is made outside the measured steps
+    windows, ticks, done = [], [], threading.Event()
+
+    def steps():
+        for _ in range(3):
+            start = time.perf_counter()
+            opt.step()
+            windows.append((start, time.perf_counter()))
+        done.set()
+
+    stepper = threading.Thread(target=steps)
+    stepper.start()
+    while not done.wait(0.001):
+        ticks.append(time.perf_counter())
+    stepper.join()
+    middles = [(start + 0.4 * (end - start), end - 0.4 * (end - start)) for start, end in windows]
+    assert any(low <= t <= high for low, high in middles for t in ticks), \
+        f"no Python ran in the middle of any of the steps: {windows}"
