@@ -313,3 +313,49 @@ def test_the_step_releases_the_gil_while_it_runs():
     middles = [(start + 0.4 * (end - start), end - 0.4 * (end - start)) for start, end in windows]
     assert any(low <= t <= high for low, high in middles for t in ticks), \
         f"no Python ran in the middle of any of the steps: {windows}"
+
+
+def test_a_tensor_lr_and_grad_scaler_work_as_with_torch():
+    xs, ys = make_data()
+    results = []
+    for cls in (torch.optim.AdamW, AdamW):
+        model = make_model()
+        opt = cls(model.parameters(), lr=torch.tensor(2e-3))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        losses = []
+        for i, (x, y) in enumerate(zip(xs[:10], ys[:10])):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            if i == 3:  # an overflowed step: the scaler skips it and halves its scale
+                next(model.parameters()).grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+        results.append((losses, scaler.get_scale(), [p.detach().clone() for p in model.parameters()]))
+    (peer_losses, peer_scale, peer_params), (losses, scale, params) = results
+    assert scale == peer_scale == 2.0 ** 9
+    torch.testing.assert_close(losses, peer_losses, rtol=RTOL, atol=0)
+    for a, b in zip(params, peer_params):
+        assert_close_to(a, b, "param")
+
+
+def test_a_saved_state_dict_loads_with_weights_only_and_the_optimizer_deep_copies(tmp_path):
+    xs, ys = make_data()
+    model = make_model()
+    opt = AdamW(model.parameters(), amsgrad=True, threads=2)
+    train(model, opt, xs, ys, 3)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    loaded = torch.load(tmp_path / "opt.pt", weights_only=True)
+    peer = torch.optim.AdamW(copy.deepcopy(model).parameters(), amsgrad=True)
+    peer.load_state_dict(loaded)
+    assert_same_state(opt, peer)
+
+    twin = copy.deepcopy(opt)  # its own copies of the parameters and state
+    assert twin.threads == 2 and twin.offload == "cpu"
+    params = [p for group in twin.param_groups for p in group["params"]]
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    twin.step()  # on an executor made again for it
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))
