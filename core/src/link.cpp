@@ -70,11 +70,9 @@ link_telemetry link::telemetry() const {
   return out;
 }
 
-// The lock is taken through mutex_.native() for the condition variable, which
-// the analysis cannot follow; every guarded access below happens with `lock` held.
-void link::run_engine(unsigned index) TF_NO_THREAD_SAFETY_ANALYSIS {
+void link::run_engine(unsigned index) {
   const std::uint32_t track = track_of(from_, to_, index);
-  std::unique_lock<std::mutex> lock(mutex_.native());
+  unique_lock lock(mutex_);
   for (;;) {
     std::optional<job> next;
     traffic_class cls = traffic_class::demand;
@@ -84,7 +82,7 @@ void link::run_engine(unsigned index) TF_NO_THREAD_SAFETY_ANALYSIS {
       const bool background_allowed = engines_ < 2 || running_background_ + 1 < engines_;
       next = queue_.pop(background_allowed, cls);
       if (next || (stopping_ && queue_.empty())) break;
-      work_cv_.wait(lock);
+      lock.wait(work_cv_);
     }
     if (!next) return;
 

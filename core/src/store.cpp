@@ -123,18 +123,16 @@ block_store::~block_store() {
   }
 }
 
-void block_store::wait_idle() TF_NO_THREAD_SAFETY_ANALYSIS {
-  std::unique_lock<std::mutex> lock(mutex_.native());
-  while (transfers_in_flight_ != 0) idle_cv_.wait(lock);
+void block_store::wait_idle() {
+  unique_lock lock(mutex_);
+  while (transfers_in_flight_ != 0) lock.wait(idle_cv_);
 }
 
 // ---- blocks -------------------------------------------------------------------
 
-// Waits on idle_cv_ through mutex_.native(), which the analysis cannot
-// follow; every guarded access below happens with `lock` held.
-block_id block_store::create_block(block_desc desc) TF_NO_THREAD_SAFETY_ANALYSIS {
+block_id block_store::create_block(block_desc desc) {
   desc = validated(std::move(desc));
-  std::unique_lock<std::mutex> lock(mutex_.native());
+  unique_lock lock(mutex_);
   refuse_if_closed("create_block");
   if (!has_tier(desc.home))
     throw user_error("block \"" + desc.name + "\": its home tier " +
@@ -152,7 +150,7 @@ block_id block_store::create_block(block_desc desc) TF_NO_THREAD_SAFETY_ANALYSIS
     while (!make_room(desc.home, bytes, traffic_class::demand, /*hint=*/false, since) &&
            transfers_in_flight_ > 0) {
       drain();
-      while (transfers_in_flight_ != 0) idle_cv_.wait(lock);
+      while (transfers_in_flight_ != 0) lock.wait(idle_cv_);
     }
     drain();
     if (!home.can_allocate(bytes))

@@ -159,15 +159,15 @@ class staged_mover final : public mover {
   }
 
   unsigned take_pair() {
-    std::unique_lock lock(pairs_mutex_);
-    pairs_cv_.wait(lock, [&] { return !free_pairs_.empty(); });
+    unique_lock lock(pairs_mutex_);
+    while (free_pairs_.empty()) lock.wait(pairs_cv_);
     const unsigned pair = free_pairs_.back();
     free_pairs_.pop_back();
     return pair;
   }
   void return_pair(unsigned pair) {
     {
-      std::lock_guard lock(pairs_mutex_);
+      lock_guard lock(pairs_mutex_);
       free_pairs_.push_back(pair);
     }
     pairs_cv_.notify_one();
@@ -178,9 +178,9 @@ class staged_mover final : public mover {
   const bool to_nvme_;
   const std::uint64_t chunk_;
   host_region bounce_;
-  std::mutex pairs_mutex_;
+  mutex pairs_mutex_;
   std::condition_variable pairs_cv_;
-  std::vector<unsigned> free_pairs_;
+  std::vector<unsigned> free_pairs_ TF_GUARDED_BY(pairs_mutex_);
 };
 
 }  // namespace tierflow::tiers::detail

@@ -95,7 +95,7 @@ class link {
   trace_recorder* const trace_;
 
   mutable mutex mutex_;
-  std::condition_variable work_cv_;  // waited on with mutex_.native()
+  std::condition_variable work_cv_;  // waited on under mutex_ (unique_lock::wait)
   fair_queue<job> queue_ TF_GUARDED_BY(mutex_);
   bool stopping_ TF_GUARDED_BY(mutex_) = false;
   unsigned running_ TF_GUARDED_BY(mutex_) = 0;

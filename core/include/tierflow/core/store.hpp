@@ -222,7 +222,7 @@ class block_store {
   std::unique_ptr<trace_recorder> trace_;
 
   mutable mutex mutex_;
-  std::condition_variable idle_cv_;  // transfers_in_flight_ reached 0; with mutex_.native()
+  std::condition_variable idle_cv_;  // transfers_in_flight_ reached 0; waited on under mutex_
   std::deque<block_record> blocks_ TF_GUARDED_BY(mutex_);  // deque: records never move
   std::unordered_map<std::string, block_id> by_name_ TF_GUARDED_BY(mutex_);
   std::array<std::set<std::uint32_t>, tier_count> space_waiters_ TF_GUARDED_BY(mutex_);
