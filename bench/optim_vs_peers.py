@@ -2,9 +2,11 @@
 """The CPU optimizer step beside its bound and its peers, in one run.
 
 Measures, at each thread count:
-  (a) the bandwidth bound of Adam's access pattern: a STREAM-style pass that
-      reads p, g, m, v and writes p, m, v (28 bytes per fp32 parameter), run by
-      `tierflow bench optim` on the same buffers' shape, threads and SIMD target;
+  (a) the bandwidth bound of the step, as `tierflow bench optim` reports it: the
+      higher of a plain loop over the step's own streams (reads p, g, m, v and
+      writes p, m, v: 28 bytes per fp32 parameter; compiled apart from tierflow's
+      kernels for the CPU it runs on) and memcpy over as many bytes, on the same
+      threads and kind of pages;
   (b) tierflow's fp32 AdamW over --params parameters (and its bf16 modes, which
       move fewer bytes: reported in parameters per second);
   (c) torch.optim.AdamW(fused=True) on the CPU, when torch is installed;

@@ -118,7 +118,16 @@ void probe_o_direct(const std::string& dir, path_capabilities& out) {
   std::string name = dir + "/.tierflow-probe-XXXXXX";
   const int plain = ::mkstemp(name.data());
   if (plain < 0) {
-    throw user_error("--path " + dir + ": cannot be written (" + std::strerror(errno) + ")");
+    const int err = errno;
+    // The directory exists (probe_path stat()ed it): ENOENT here is the
+    // filesystem refusing to create any file (proc, sysfs, cgroup), which
+    // strerror would word as a missing path.
+    if (err == ENOENT) {
+      throw user_error("--path " + dir + ": cannot be written: its " +
+                       (out.filesystem.empty() ? std::string() : out.filesystem + " ") +
+                       "filesystem does not let files be created");
+    }
+    throw user_error("--path " + dir + ": cannot be written (" + std::strerror(err) + ")");
   }
   ::close(plain);
   const int fd = ::open(name.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC);

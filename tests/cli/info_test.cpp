@@ -159,6 +159,22 @@ TEST(Cli, ReadOnlyPathIsRefused) {
   EXPECT_NE(r.err.find("cannot be written"), std::string::npos) << r.err;
 }
 
+// A directory that exists on a filesystem that creates no files: the error
+// names that cause, not the "No such file or directory" creating one returned.
+TEST(Cli, PathOnAFilesystemThatCreatesNoFilesNamesIt) {
+  struct stat st {};
+  if (::stat("/proc/self", &st) != 0) GTEST_SKIP() << "no /proc here";
+  for (const char* verb : {"info", "tune"}) {
+    const auto r = verb == std::string("info") ? run_cli({"info", "--path", "/proc"})
+                                               : run_cli({"tune", "io", "--path", "/proc"});
+    EXPECT_EQ(r.exit_code, 1) << verb;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_NE(r.err.find("--path /proc: cannot be written"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("proc filesystem does not let files be created"), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("No such file or directory"), std::string::npos) << r.err;
+  }
+}
+
 TEST(Cli, UnknownSubcommandOrFlagPrintsUsageAndExits2) {
   for (const auto& args : std::vector<std::vector<std::string>>{{"frobnicate"}, {"info", "--bogus"}, {}}) {
     const auto r = run_cli(args);
