@@ -359,3 +359,25 @@ def test_a_saved_state_dict_loads_with_weights_only_and_the_optimizer_deep_copie
         p.grad = torch.ones_like(p)
     twin.step()  # on an executor made again for it
     assert all(not torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_non_contiguous_and_channels_last_parameters_step_as_with_torch():
+    torch.manual_seed(3)
+    def make():
+        return [torch.nn.Parameter(torch.randn(6, 5).t()),  # a transposed view
+                torch.nn.Parameter(torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last))]
+    peer_params = make()
+    ours_params = [torch.nn.Parameter(p.detach().clone(memory_format=torch.preserve_format))
+                   for p in peer_params]
+    assert not ours_params[0].is_contiguous()
+    peer = torch.optim.AdamW(peer_params, lr=1e-2)
+    ours = AdamW(ours_params, lr=1e-2)
+    for step in range(5):
+        for params in (peer_params, ours_params):
+            for i, p in enumerate(params):
+                p.grad = torch.full_like(p, 0.1 * (step + 1)) + torch.arange(p.numel()).view_as(p) * 1e-3
+        peer.step()
+        ours.step()
+    for a, b in zip(ours_params, peer_params):
+        assert a.stride() == b.stride()
+        assert_close_to(a, b, "param")

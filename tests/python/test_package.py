@@ -7,6 +7,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -106,3 +107,12 @@ def test_an_environment_failure_is_an_os_error_with_errno_filename_and_context(f
     assert str(full_disk) in str(e)
     assert store.block_count == 1 and kept == 0
     del store, raised  # closes the store's files before the tmpfs is unmounted
+
+
+def test_the_package_without_its_extension_says_how_to_build_it(tmp_path):
+    source = REPO / "bindings"  # the pure-Python files alone, as in a checkout
+    done = subprocess.run([sys.executable, "-c", "import tierflow"], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(source)},
+                          capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "pip install --no-build-isolation ." in done.stderr
