@@ -39,9 +39,24 @@ nb::dict dict_of(const Map& flags) {
   return out;
 }
 
-void add_host_facts(nb::dict& j) {
-  const cpu_features cpu = probe_cpu();
-  const tiers::host_topology host = tiers::probe_host();
+// Everything info() reports, probed without the GIL (CUDA's driver and the
+// directory probe can take a while).
+struct machine_facts {
+  cpu_features cpu;
+  tiers::host_topology host;
+  io::uring_capabilities uring;
+  tiers::cuda_status cuda;
+  std::optional<io::path_capabilities> path;
+};
+
+machine_facts probe_machine(const std::optional<std::string>& path) {
+  nb::gil_scoped_release unlocked;
+  machine_facts f{probe_cpu(), tiers::probe_host(), io::probe_uring(), tiers::probe_cuda(), std::nullopt};
+  if (path && !path->empty()) f.path = io::probe_path(*path);
+  return f;
+}
+
+void add_host_facts(nb::dict& j, const cpu_features& cpu, const tiers::host_topology& host) {
   nb::dict jcpu;
   jcpu["vendor"] = cpu.vendor;
   jcpu["model"] = cpu.model;
@@ -68,8 +83,7 @@ void add_host_facts(nb::dict& j) {
   j["memory"] = memory;
 }
 
-nb::dict uring_facts() {
-  const io::uring_capabilities& uring = io::probe_uring();
+nb::dict uring_facts(const io::uring_capabilities& uring) {
   nb::dict ju;
   ju["available"] = uring.available;
   if (!uring.available) ju["reason"] = uring.reason;
@@ -80,8 +94,7 @@ nb::dict uring_facts() {
   return ju;
 }
 
-nb::dict cuda_facts() {
-  const tiers::cuda_status cuda = tiers::probe_cuda();
+nb::dict cuda_facts(const tiers::cuda_status& cuda) {
   nb::dict jc;
   jc["available"] = cuda.available;
   jc["compiled"] = cuda.compiled;
@@ -105,13 +118,7 @@ nb::dict cuda_facts() {
   return jc;
 }
 
-nb::dict path_facts(const std::string& dir) {
-  io::path_capabilities p;
-  {
-    // The probe writes and reads a file there: slow on a busy disk.
-    nb::gil_scoped_release unlocked;
-    p = io::probe_path(dir);
-  }
+nb::dict path_facts(const io::path_capabilities& p) {
   nb::dict jp;
   jp["path"] = p.path;
   jp["mount_point"] = p.mount_point;
@@ -127,12 +134,13 @@ nb::dict path_facts(const std::string& dir) {
 }
 
 nb::dict info(const std::optional<std::string>& path) {
+  const machine_facts f = probe_machine(path);
   nb::dict j;
   j["version"] = tierflow::version;
-  add_host_facts(j);
-  j["io_uring"] = uring_facts();
-  j["cuda"] = cuda_facts();
-  if (path && !path->empty()) j["path"] = path_facts(*path);
+  add_host_facts(j, f.cpu, f.host);
+  j["io_uring"] = uring_facts(f.uring);
+  j["cuda"] = cuda_facts(f.cuda);
+  if (f.path) j["path"] = path_facts(*f.path);
   return j;
 }
 

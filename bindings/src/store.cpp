@@ -33,6 +33,13 @@ class store_handle {
     store_ = tiers::make_store(std::move(config));
   }
 
+  ~store_handle() {
+    nb::gil_scoped_release unlocked;  // the store waits for the transfers in flight
+    store_.reset();
+  }
+  store_handle(const store_handle&) = delete;
+  store_handle& operator=(const store_handle&) = delete;
+
   // Creates a block of `size_bytes` homed in `home` ("host" or "nvme").
   std::uint32_t create_block(const std::string& name, std::uint64_t size_bytes,
                              const std::string& home) {
