@@ -30,6 +30,7 @@ CASES = [
     ("adam", {}),
     ("adam", {"weight_decay": 0.05}),
     ("adam", {"weight_decay": 0.05, "amsgrad": True, "maximize": True}),
+    ("adam", {"weight_decay": 0.05, "decoupled_weight_decay": True}),
 ]
 
 
@@ -381,3 +382,25 @@ def test_non_contiguous_and_channels_last_parameters_step_as_with_torch():
     for a, b in zip(ours_params, peer_params):
         assert a.stride() == b.stride()
         assert_close_to(a, b, "param")
+
+
+def test_the_kernel_call_scales_gradients_and_skips_a_nonfinite_step():
+    n = 1000
+    executor = tierflow._core.Executor(1)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    p_scaled, p_plain = torch.ones(n), torch.ones(n)
+    m, v, m2, v2 = (torch.zeros(n) for _ in range(4))
+    grad = torch.linspace(-1, 1, n)
+    assert tierflow._core.adam_step(executor, p_scaled, grad * 4, m, v, step=1, grad_scale=0.25, **hyper)
+    assert tierflow._core.adam_step(executor, p_plain, grad, m2, v2, step=1, **hyper)
+    assert_close_to(p_scaled, p_plain, "param")
+    assert_close_to(m, m2, "exp_avg")
+
+    bad = grad.clone()
+    bad[7] = float("nan")
+    before = (p_plain.clone(), m2.clone(), v2.clone())
+    assert not tierflow._core.adam_step(executor, p_plain, bad, m2, v2, step=2, skip_nonfinite=True, **hyper)
+    for after, old in zip((p_plain, m2, v2), before):
+        assert torch.equal(after, old)  # nothing written
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        tierflow._core.adam_step(executor, p_plain, grad, m2, torch.zeros(n - 1), step=2, **hyper)
