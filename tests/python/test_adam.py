@@ -362,7 +362,8 @@ def test_a_saved_state_dict_loads_with_weights_only_and_the_optimizer_deep_copie
     assert all(not torch.equal(p, b) for p, b in zip(params, before))
 
 
-def test_non_contiguous_and_channels_last_parameters_step_as_with_torch():
+@pytest.mark.parametrize("maximize", [False, True])
+def test_non_contiguous_and_channels_last_parameters_step_as_with_torch(maximize):
     torch.manual_seed(3)
     def make():
         return [torch.nn.Parameter(torch.randn(6, 5).t()),  # a transposed view
@@ -371,12 +372,13 @@ def test_non_contiguous_and_channels_last_parameters_step_as_with_torch():
     ours_params = [torch.nn.Parameter(p.detach().clone(memory_format=torch.preserve_format))
                    for p in peer_params]
     assert not ours_params[0].is_contiguous()
-    peer = torch.optim.AdamW(peer_params, lr=1e-2)
-    ours = AdamW(ours_params, lr=1e-2)
+    peer = torch.optim.AdamW(peer_params, lr=1e-2, maximize=maximize)
+    ours = AdamW(ours_params, lr=1e-2, maximize=maximize)
     for step in range(5):
         for params in (peer_params, ours_params):
             for i, p in enumerate(params):
-                p.grad = torch.full_like(p, 0.1 * (step + 1)) + torch.arange(p.numel()).view_as(p) * 1e-3
+                # Gradients with the parameters' strides, as autograd makes them.
+                p.grad = torch.full_like(p, 0.1 * (step + 1)) + torch.arange(p.numel()).view(p.shape) * 1e-3
         peer.step()
         ours.step()
     for a, b in zip(ours_params, peer_params):

@@ -69,6 +69,11 @@ def _check_group(group: dict[str, Any]) -> None:
             )
 
 
+def _master_of(p: Tensor) -> Tensor:
+    """The fp32 master of a low-precision parameter, contiguous for the kernel."""
+    return p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+
+
 def _kernel_view(t: Tensor) -> Tensor:
     """The tensor itself as the kernel reads it (a DLPack view needs no autograd)."""
     return t.detach()
@@ -107,7 +112,7 @@ def adam(
         grad = grads[i]
         if maximize:
             grad = torch.neg(grad)  # a gradient-sized temporary: the kernel has no sign flag
-        elif not grad.is_contiguous():
+        if not grad.is_contiguous():
             grad = grad.contiguous()
         state_steps[i] += 1
         master = masters[i]
@@ -267,7 +272,7 @@ class Adam(Optimizer):
                     state[key] = saved[key].to(device="cpu", dtype=torch.float32, copy=True)
             master = state.get(MASTER_KEY)
             if master is not None and not torch.equal(master.to(p.dtype), p.detach()):
-                state[MASTER_KEY] = p.detach().to(torch.float32, copy=True)
+                state[MASTER_KEY] = _master_of(p)
         for group in self.param_groups:
             _check_group(group)
 
@@ -285,9 +290,9 @@ class Adam(Optimizer):
             if len(state) == 0:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 if low_precision:
-                    state[MASTER_KEY] = p.detach().to(torch.float32, copy=True)
+                    state[MASTER_KEY] = _master_of(p)
             elif low_precision and MASTER_KEY not in state:  # a torch state_dict's state
-                state[MASTER_KEY] = p.detach().to(torch.float32, copy=True)
+                state[MASTER_KEY] = _master_of(p)
             moment_keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
             for key in moment_keys:
                 if key not in state:
