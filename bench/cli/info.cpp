@@ -9,12 +9,8 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
-#include "tierflow/core/cpu.hpp"
 #include "tierflow/core/units.hpp"
-#include "tierflow/core/version.hpp"
-#include "tierflow/io/probe.hpp"
-#include "tierflow/tiers/cuda_probe.hpp"
-#include "tierflow/tiers/topology.hpp"
+#include "tierflow/tiers/machine_info.hpp"
 
 namespace tierflow::cli {
 namespace {
@@ -25,74 +21,6 @@ struct info_options {
   std::string path;
   bool as_json = false;
 };
-
-json optional_json(const std::optional<std::uint64_t>& v) { return v ? json(*v) : json(nullptr); }
-
-json collect(const info_options& opt) {
-  const cpu_features cpu = probe_cpu();
-  const tiers::host_topology host = tiers::probe_host();
-  const io::uring_capabilities& uring = io::probe_uring();
-  const tiers::cuda_status cuda = tiers::probe_cuda();
-
-  json j;
-  j["version"] = tierflow::version;
-  j["cpu"] = {{"vendor", cpu.vendor}, {"model", cpu.model}, {"extensions", cpu.extensions}};
-  j["simd"] = cpu.simd;
-  j["cpus"] = host.cpus;
-  j["physical_cores"] = host.physical_cores;
-  j["packages"] = host.packages;
-  j["numa_nodes"] = host.numa_nodes.size();
-  json nodes = json::array();
-  for (const auto& n : host.numa_nodes)
-    nodes.push_back({{"node", n.os_index}, {"memory_bytes", n.memory_bytes}, {"cpus", n.cpus}});
-  j["numa"] = nodes;
-  j["memory"] = {{"total_bytes", host.total_memory_bytes},
-                 {"available_bytes", host.available_memory_bytes},
-                 {"memlock_limit_bytes", optional_json(host.memlock_limit_bytes)}};
-
-  json ju = {{"available", uring.available}};
-  if (!uring.available) ju["reason"] = uring.reason;
-  ju["setup_flags"] = uring.setup_flags;
-  ju["opcodes"] = uring.opcodes;
-  ju["register_buffers"] = uring.register_buffers;
-  ju["register_files"] = uring.register_files;
-  j["io_uring"] = ju;
-
-  json jc = {{"available", cuda.available},
-             {"compiled", cuda.compiled},
-             {"driver_version", tiers::cuda_version_string(cuda.driver_version)},
-             {"runtime_version", tiers::cuda_version_string(cuda.runtime_version)}};
-  if (!cuda.available) jc["reason"] = cuda.reason;
-  json devices = json::array();
-  for (const auto& d : cuda.devices) {
-    devices.push_back({{"index", d.index},
-                       {"name", d.name},
-                       {"pci_bus_id", d.pci_bus_id},
-                       {"compute_capability", std::to_string(d.compute_capability_major) + "." +
-                                                  std::to_string(d.compute_capability_minor)},
-                       {"memory_bytes", d.memory_bytes},
-                       {"copy_engines", d.copy_engines},
-                       {"numa_node", d.numa_node}});
-  }
-  jc["devices"] = devices;
-  j["cuda"] = jc;
-
-  if (!opt.path.empty()) {
-    const io::path_capabilities p = io::probe_path(opt.path);
-    json jp = {{"path", p.path},
-               {"mount_point", p.mount_point},
-               {"filesystem", p.filesystem},
-               {"device", p.device},
-               {"o_direct", p.o_direct},
-               {"direct_memory_alignment", optional_json(p.direct_memory_alignment)},
-               {"direct_offset_alignment", optional_json(p.direct_offset_alignment)},
-               {"free_bytes", p.free_bytes},
-               {"total_bytes", p.total_bytes}};
-    if (!p.o_direct) jp["o_direct_reason"] = p.o_direct_reason;
-    j["path"] = jp;
-  }
-  return j;
-}
 
 std::string yes_no(bool b) { return b ? "yes" : "no"; }
 
@@ -167,7 +95,7 @@ void add_info_command(CLI::App& app) {
   cmd->add_option("--path", opt->path, "Also probe this directory: filesystem, O_DIRECT, free space");
   cmd->add_flag("--json", opt->as_json, "One JSON object on stdout instead of the table");
   cmd->callback([opt] {
-    const json j = collect(*opt);
+    const json j = tiers::machine_info(opt->path);
     if (opt->as_json) std::cout << j.dump(2) << '\n';
     else print_human(j);
   });
