@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs every tierflow test:
 #   1. the Release build (CUDA sources compiled for sm_90 when nvcc exists) and its tests;
-#   2. clang's thread-safety analysis of core/ and tiers/, from that build's
+#   2. clang's thread-safety analysis of core/, tiers/ and io/, from that build's
 #      compile_commands.json (a parse per file, not another build);
 #   3. the same tests built with AddressSanitizer + UndefinedBehaviorSanitizer;
 #   4. the concurrent tests (block store, links, scheduler, ZenFlow engine)
@@ -20,7 +20,7 @@ echo "== Release build and tests"
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 
 echo "== Thread-safety analysis (clang)"
-"$here/scripts/thread_safety.sh" build
+"$here/scripts/thread_safety.sh" build core tiers io
 
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and tests"
 "$here/scripts/build.sh" build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo \
