@@ -91,23 +91,6 @@ struct faulty_store {
   std::unique_ptr<block_store> store;
 };
 
-block_id make(block_store& s, const std::string& name, std::uint64_t bytes, tier_kind home) {
-  return s.create_block(block_desc{.name = name, .size_bytes = bytes, .home = home});
-}
-
-void write(block_store& s, block_id id, tier_kind where, std::uint64_t seed) {
-  lease l = s.acquire(id, where, access::write);
-  fill(l.wait(), seed);
-  s.release(std::move(l), dirty::yes);
-}
-
-bool reads(block_store& s, block_id id, tier_kind where, std::uint64_t seed) {
-  lease l = s.acquire(id, where);
-  const bool ok = holds(l.wait(), seed);
-  s.release(std::move(l), dirty::no);
-  return ok;
-}
-
 io::fault_rule failing_writes(int errnum, std::uint64_t times = 1u << 30) {
   return io::fault_rule{.match = {.kind = io::op_kind::write},
                         .nth = 1,

@@ -79,6 +79,26 @@ struct small_store_sizes {
   bool checksums = true;
 };
 
+// A block of `bytes` named `name` with its home in `home`.
+inline block_id make(block_store& s, const std::string& name, std::uint64_t bytes, tier_kind home) {
+  return s.create_block(block_desc{.name = name, .size_bytes = bytes, .home = home});
+}
+
+// Writes fill(seed)'s pattern into the block's copy in `where`, marked dirty.
+inline void write(block_store& s, block_id id, tier_kind where, std::uint64_t seed) {
+  lease l = s.acquire(id, where, access::write);
+  fill(l.wait(), seed);
+  s.release(std::move(l), dirty::yes);
+}
+
+// Whether the block's copy in `where` (loaded if need be) holds fill(seed)'s pattern.
+inline bool reads(block_store& s, block_id id, tier_kind where, std::uint64_t seed) {
+  lease l = s.acquire(id, where);
+  const bool ok = holds(l.wait(), seed);
+  s.release(std::move(l), dirty::no);
+  return ok;
+}
+
 // A store on the device stand-in, pinned host memory and NVMe files.
 inline tiers::store_config small_store_config(const scratch_dir& dir, small_store_sizes sizes = {}) {
   tiers::store_config c;

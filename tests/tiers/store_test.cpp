@@ -20,23 +20,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-block_id make(block_store& s, const std::string& name, std::uint64_t bytes, tier_kind home) {
-  return s.create_block(block_desc{.name = name, .size_bytes = bytes, .home = home});
-}
-
-void write(block_store& s, block_id id, tier_kind where, std::uint64_t seed) {
-  lease l = s.acquire(id, where, access::write);
-  fill(l.wait(), seed);
-  s.release(std::move(l), dirty::yes);
-}
-
-bool reads(block_store& s, block_id id, tier_kind where, std::uint64_t seed) {
-  lease l = s.acquire(id, where);
-  const bool ok = holds(l.wait(), seed);
-  s.release(std::move(l), dirty::no);
-  return ok;
-}
-
 // Drops every cached copy (writing dirty ones home) and waits for it.
 void evict_all(block_store& s, block_id id) {
   s.evict(id, tier_kind::device);
