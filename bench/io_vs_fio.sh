@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # tierflow's I/O engine beside fio at its best: `tierflow bench io` and fio
-# (ioengine=io_uring, direct=1, with the same registered buffers and files and
-# the same submission batching tierflow uses) run alternately on the same file
-# with the same block size and queue depth, PAIRS pairs per workload (the order
-# flips every pair, so drift in the device favours neither). Each pair runs fio
+# (ioengine=io_uring, direct=1, with the same registered buffers and files,
+# the same huge-page memory and the same submission batching tierflow uses)
+# run alternately on the same file with the same block size and queue depth,
+# PAIRS pairs per workload (the order flips every pair, so drift in the device
+# favours neither). Each pair runs fio
 # in each of its variants: with tierflow's batching and with fio's own default
 # (one SQE at a time), and with --sqpoll also without the polling thread (on a
 # machine with few CPUs fio's polling thread costs it more than it saves), and
@@ -53,7 +54,7 @@ while (($#)); do
     --submit-batch) submit_batch=$2; shift 2 ;;
     --sqpoll) sqpoll=1; shift ;;
     --workloads) workloads=$2; shift 2 ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "io_vs_fio.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -75,7 +76,13 @@ median() { sort -g | awk '{v[NR]=$1} END {print (NR%2 ? v[(NR+1)/2] : (v[NR/2]+v
 
 # What tierflow's engine does, asked of fio too: registered buffers and file
 # descriptors, and the kernel's submission-queue polling thread with --sqpoll.
-fio_common=(--ioengine=io_uring --direct=1 --numjobs=1 --fixedbufs --registerfiles)
+# And the same memory: tierflow's buffers sit in transparent huge pages, so
+# fio's are aligned to 2 MiB and its malloc asks for huge pages too (in
+# scattered 4 KiB pages a 1 MiB request is 256 segments, which a virtio disk
+# without indirect descriptors takes one at a time). Only fio's environment
+# gets the glibc tunable: tierflow runs with the memory it allocates itself.
+fio_common=(--ioengine=io_uring --direct=1 --numjobs=1 --fixedbufs --registerfiles --iomem_align=2M)
+fio_env=(GLIBC_TUNABLES=glibc.malloc.hugetlb=1${GLIBC_TUNABLES:+:$GLIBC_TUNABLES})
 tierflow_common=(--backend uring --submit-batch "$submit_batch")
 ((sqpoll)) && tierflow_common+=(--sqpoll)
 # fio's variants, "label:options": tierflow's batching (iodepth_batch_submit =
@@ -95,7 +102,7 @@ done
 run_fio() {
   local -a variant
   read -ra variant <<<"$5"
-  fio --name=peer --filename="$file" --size="$size" --io_size="$4" --bs="$2" --iodepth="$3" \
+  env "${fio_env[@]}" fio --name=peer --filename="$file" --size="$size" --io_size="$4" --bs="$2" --iodepth="$3" \
       --rw="$1" "${fio_common[@]}" "${variant[@]}" --output-format=json |
     jq -r --arg rw "${1#rand}" '.jobs[0][$rw] | "\(.bw_bytes) \(.iops)"'
 }
@@ -132,7 +139,7 @@ run_tierflow_once() {
 }
 
 echo "tierflow vs fio $(fio --version) on $file ($size), $pairs pairs per workload, $(nproc) CPUs"
-echo "both: io_uring, O_DIRECT, registered buffers and files; tierflow: submit batch $submit_batch$( ((sqpoll)) && echo ', SQPOLL')"
+echo "both: io_uring, O_DIRECT, registered buffers (in huge pages) and files; tierflow: submit batch $submit_batch$( ((sqpoll)) && echo ', SQPOLL')"
 status=0
 IFS=, read -ra chosen <<<"$workloads"
 for w in "${chosen[@]}"; do
