@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -363,6 +365,32 @@ TEST(EngineConfig, BadValuesAreUserErrors) {
   EXPECT_THROW(make_engine({.block_size = 4097}), user_error);
   EXPECT_THROW(make_engine({.threads = 0}), user_error);
   EXPECT_THROW(parse_backend("spdk", "--backend"), user_error);
+}
+
+// The flags of the mapping holding `address`, from /proc/self/smaps ("" when not found).
+std::string mapping_flags(const void* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<std::uintptr_t>(address);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    unsigned long long begin = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%llx-%llx ", &begin, &end) == 2) inside = begin <= at && at < end;
+    else if (inside && line.rfind("VmFlags:", 0) == 0) return line.substr(8) + " ";
+  }
+  return "";
+}
+
+// A 1 MiB block in scattered 4 KiB pages is 256 segments, split by the block
+// layer; inside a huge page it is one. Buffers of a huge page or more ask for them.
+TEST(AlignedBuffer, AHugePageOrMoreIsAlignedToItAndAsksForHugePages) {
+  struct stat st {};
+  if (::stat("/sys/kernel/mm/transparent_hugepage", &st) != 0) GTEST_SKIP() << "no transparent huge pages in this kernel";
+  aligned_buffer large(32u << 20);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(large.data()) % aligned_buffer::huge_page_size, 0u);
+  const std::string flags = mapping_flags(large.data());
+  ASSERT_FALSE(flags.empty()) << "the buffer is in no mapping of /proc/self/smaps";
+  EXPECT_NE(flags.find(" hg "), std::string::npos) << "VmFlags:" << flags;
+  EXPECT_EQ(large.data()[(32u << 20) - 1], std::byte{0});  // zero-filled to the end
 }
 
 TEST(File, RefusesASymlinkInPlaceOfTheFile) {
