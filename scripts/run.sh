@@ -19,5 +19,5 @@ trap 'rm -rf "$scratch"' EXIT
 device=sim
 "$here/build/bin/tierflow" info --json | jq -e '.cuda.available' >/dev/null && device=cuda
 "$here/build/bin/tierflow" bench offload --device "$device" --model 6x512x8000 --nvme-dir "$scratch" \
-  --strategy zero-offload,zero-infinity,zenflow --steps 12 --update-interval 4 --batch-tokens 400000 \
+  --strategy zero-offload,zero-infinity,zenflow --steps 12 --update-interval 4 --batch-tokens 480000 \
   --sub-group 512K
