@@ -117,7 +117,8 @@ json result_json(const bench::offload_plan& plan, const bench::offload_result& r
   for (const auto& step : result.steps) {
     steps.push_back({{"step", step.step}, {"seconds", step.seconds}, {"compute_seconds", step.compute_seconds},
                      {"stall_seconds", step.stall_seconds}, {"host_seconds", step.host_seconds},
-                     {"cpu_wait_seconds", step.cpu_wait_seconds}, {"boundary", step.boundary}});
+                     {"cpu_wait_seconds", step.cpu_wait_seconds}, {"boundary", step.boundary},
+                     {"refreshed", step.refreshed}});
   }
   json out = summary_json(result.summary);
   out.update({{"strategy", result.strategy},

@@ -192,10 +192,14 @@ void run_zenflow_steps(const step_loop_inputs& in, device_timeline& device, step
     const zenflow::step_report report = engine.step();
     if (next_waits) launch_next();
     record.boundary = report.update_boundary;
+    record.refreshed = report.refreshed;
     record.cpu_wait_seconds += seconds_of(report.wait_for_cpu);
     record.host_seconds = seconds_of(report.host_work);
-    out.events.push_back({report.refreshed ? "host: step + refresh" : record.boundary ? "host: step + window"
-                                                                                       : "host: accumulate",
+    const char* host_event = report.refreshed            ? "host: step + hand-over"
+                             : report.selection_decided ? "host: step + selection"
+                             : record.boundary          ? "host: step + window"
+                                                        : "host: accumulate";
+    out.events.push_back({host_event,
                           host_track, host_start, seconds_between(host_start, clock::now())});
     out.steps.push_back(record);
   }

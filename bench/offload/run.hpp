@@ -24,6 +24,7 @@ struct step_record {
   double host_seconds = 0;     // host work for the step (optimizer, accumulation, ...)
   double cpu_wait_seconds = 0; // zenflow: the trainer waited this long for a window's CPU step
   bool boundary = false;       // an optimizer update window ended with this step
+  bool refreshed = false;      // zenflow: columns changed sides after this step (the first selection too)
 };
 
 // The steady state of a run: whole update windows after the first.

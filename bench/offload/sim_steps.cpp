@@ -123,18 +123,18 @@ class sim_zenflow_device final : public zenflow::device_side {
   void apply_staged(std::size_t w, std::span<const zenflow::column_run> runs) override {
     add_device_bytes(columns_in(runs) * plan_.chunks[w].shape.rows * 4);  // a bf16 copy: read and write
   }
-  void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const zenflow::selection_change& change,
-                 const zenflow::host_buffers&) override {
+  void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const zenflow::packed_columns& entering,
+                 const zenflow::packed_columns& leaving) override {
     const std::uint64_t rows = plan_.chunks[w].shape.rows, slots = selected.size();
     // Up, one copy laid out as cuda_zenflow_device lays it out: the entering
     // columns' master and moments (fp32), then each slot's source, the
     // leaving slots and the selection; down: the leaving columns' three planes.
     auto align = [](std::uint64_t n) { return (n + 15) / 16 * 16; };
-    const std::uint64_t sources_at = align(3 * change.entering.size() * rows * 4);
+    const std::uint64_t sources_at = align(3 * entering.columns.size() * rows * 4);
     const std::uint64_t leaving_at = align(sources_at + slots * 8);
-    const std::uint64_t columns_at = align(leaving_at + change.leaving.size() * 8);
+    const std::uint64_t columns_at = align(leaving_at + leaving.columns.size() * 8);
     const auto up_done = up_.send(columns_at + slots * 4);
-    const auto down_done = down_.send(3 * change.leaving.size() * rows * 4);
+    const auto down_done = down_.send(3 * leaving.columns.size() * rows * 4);
     arrive(std::max(up_done, down_done) + span_of(model_.hbm_seconds(slots * rows * 24)));  // and the repack
     std::lock_guard lock(mutex_);
     selected_columns_[w] = slots;

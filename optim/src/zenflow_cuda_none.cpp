@@ -33,8 +33,8 @@ void cuda_zenflow_device::stage_upload(std::size_t, std::span<const zenflow::col
   no_cuda();
 }
 void cuda_zenflow_device::apply_staged(std::size_t, std::span<const zenflow::column_run>) { no_cuda(); }
-void cuda_zenflow_device::hand_over(std::size_t, std::span<const std::uint32_t>, const zenflow::selection_change&,
-                                    const zenflow::host_buffers&) {
+void cuda_zenflow_device::hand_over(std::size_t, std::span<const std::uint32_t>, const zenflow::packed_columns&,
+                                    const zenflow::packed_columns&) {
   no_cuda();
 }
 

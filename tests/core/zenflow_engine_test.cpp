@@ -224,6 +224,7 @@ struct sequential_zenflow {
   std::int64_t host_count = 0;
   std::uint64_t window_steps = 0;
   bool selected = false;
+  std::vector<std::vector<bool>> decided;  // chosen at a select boundary, made at the next window's end
   std::uint64_t crossings = 0;  // columns that changed sides at a refresh (not the first selection)
   std::vector<std::vector<std::vector<float>>> params;  // [step][weight]: compute after each step
 
@@ -267,8 +268,9 @@ struct sequential_zenflow {
   void show(std::size_t w, std::uint32_t c) { std::copy_n(at(master, w, c), weights[w].rows, at(compute, w, c)); }
 
   // The top topk of each matrix's columns by Σ|g| of this step's gradient,
-  // ties to the lower column; `device_count` is the device's steps so far.
-  void refresh(const std::vector<std::vector<float>>& g, std::int64_t device_count, bool first) {
+  // ties to the lower column.
+  std::vector<std::vector<bool>> choose(const std::vector<std::vector<float>>& g) const {
+    std::vector<std::vector<bool>> next(weights.size());
     for (std::size_t w = 0; w < weights.size(); ++w) {
       if (!weights[w].matrix()) continue;
       const std::uint64_t rows = weights[w].rows, cols = weights[w].cols;
@@ -280,11 +282,18 @@ struct sequential_zenflow {
       }
       std::sort(score.begin(), score.end(),
                 [](auto a, auto b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
-      std::vector<bool> next(cols, false);
+      next[w].assign(cols, false);
       const auto keep = static_cast<std::size_t>(std::ceil(topk * static_cast<double>(cols) - 1e-9));
-      for (std::size_t i = 0; i < std::max<std::size_t>(1, keep); ++i) next[score[i].second] = true;
-      for (std::uint32_t c = 0; c < cols; ++c) {
-        if (next[c] && !on_device[w][c]) {  // entering: this window's gradient first, on the host
+      for (std::size_t i = 0; i < std::max<std::size_t>(1, keep); ++i) next[w][score[i].second] = true;
+    }
+    return next;
+  }
+  // Columns change sides; `device_count` is the device's steps so far.
+  void cross(const std::vector<std::vector<bool>>& next, std::int64_t device_count, bool first) {
+    for (std::size_t w = 0; w < weights.size(); ++w) {
+      if (!weights[w].matrix()) continue;
+      for (std::uint32_t c = 0; c < weights[w].cols; ++c) {
+        if (next[w][c] && !on_device[w][c]) {  // entering: this window's gradient first, on the host
           std::int64_t count = host_count;
           if (window_steps > 0) {
             count = host_count + 1;
@@ -292,12 +301,12 @@ struct sequential_zenflow {
           }
           rescale(w, c, count, device_count);
           show(w, c);
-        } else if (!next[c] && on_device[w][c]) {  // leaving: next updated by the next window's CPU step
+        } else if (!next[w][c] && on_device[w][c]) {  // leaving: next updated by the next window's CPU step
           rescale(w, c, device_count, host_count + 1);
         }
-        if (!first && next[c] != on_device[w][c]) ++crossings;
+        if (!first && next[w][c] != on_device[w][c]) ++crossings;
       }
-      on_device[w] = next;
+      on_device[w] = next[w];
     }
   }
 
@@ -309,7 +318,7 @@ struct sequential_zenflow {
     }
     const bool warming = s < warm;
     if (!warming && !selected) {
-      refresh(g, static_cast<std::int64_t>(s), true);
+      cross(choose(g), static_cast<std::int64_t>(s), true);  // the first selection, at once
       selected = true;
     }
     // The device: its columns, every step, at its own count.
@@ -330,7 +339,8 @@ struct sequential_zenflow {
     snapshot();
   }
   // The end of a window: the previous window's result becomes visible, the
-  // selection moves (if due), this window's CPU step runs.
+  // selection chosen a window ago takes effect, the next one is chosen (if
+  // due), this window's CPU step runs.
   void close(const std::vector<std::vector<float>>& g, bool select, std::int64_t device_count, bool may_overlap) {
     for (const auto& [w, c] : staged) show(w, c);
     staged.clear();
@@ -339,7 +349,9 @@ struct sequential_zenflow {
       host_before[w].resize(weights[w].cols);
       for (std::uint32_t c = 0; c < weights[w].cols; ++c) host_before[w][c] = !on_device[w][c];
     }
-    if (select) refresh(g, device_count, false);
+    if (!decided.empty()) cross(decided, device_count, false);
+    decided.clear();
+    if (select) decided = choose(g);
     ++host_count;
     for (std::size_t w = 0; w < weights.size(); ++w)
       for (std::uint32_t c = 0; c < weights[w].cols; ++c)
@@ -353,6 +365,7 @@ struct sequential_zenflow {
   void finish() {
     for (const auto& [w, c] : staged) show(w, c);
     staged.clear();
+    decided.clear();  // a selection chosen and not yet made is dropped
     if (window_steps > 0) {
       ++host_count;
       for (std::size_t w = 0; w < weights.size(); ++w)
@@ -445,7 +458,7 @@ TEST(ZenflowEngine, IntervalOneWithoutOverlapReproducesTheOptimizerExactlyThroug
   zenflow_run z(step_config(0.3, 1, 1, false, 1), rule);
   z.train(15);
   for (std::uint64_t s = 0; s < 15; ++s) expect_identical(z.params[s], ref.params[s], s);
-  EXPECT_GE(z.eng.stats().refreshes, 14u);
+  EXPECT_GE(z.eng.stats().refreshes, 12u);  // hand-overs that moved columns: most of the 13 before the last step
   EXPECT_GT(rule.calls[0], 0);  // both sides did work
   EXPECT_GT(rule.calls[1], 0);
 }
@@ -520,8 +533,9 @@ TEST(ZenflowEngine, SplitStepMatchesStepAndTheNextForwardWaitsOnlyWhenItMust) {
     std::uint64_t fewest_waits, most_waits;  // of 14 steps
   };
   const setup setups[] = {
-      // Windows of 2, refreshes every 6 steps (after steps 5 and 11), overlap,
-      // the previous window applied early: only the refreshes wait.
+      // Windows of 2, selections chosen every 6 steps (after steps 5 and 11)
+      // and made a window later (after steps 7 and 13), overlap, the
+      // previous window applied early: only the hand-overs wait.
       {step_config(0.25, 2, 6, true), true, 2, 2},
       // The same without applying early: the boundaries that apply a window
       // (after steps 3, 5, …, 13; the first has none) wait instead.

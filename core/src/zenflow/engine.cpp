@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <utility>
 
 #include "tierflow/core/assert.hpp"
@@ -11,15 +12,6 @@ namespace tierflow::zenflow {
 namespace {
 
 using clock = std::chrono::steady_clock;
-
-std::vector<column_run> runs_of(std::span<const std::uint32_t> sorted_columns) {
-  std::vector<column_run> runs;
-  for (const std::uint32_t c : sorted_columns) {
-    if (!runs.empty() && runs.back().end == c) ++runs.back().end;
-    else runs.push_back({c, c + 1});
-  }
-  return runs;
-}
 
 // `runs` without the (sorted) `columns`.
 std::vector<column_run> subtract(std::span<const column_run> runs, std::span<const std::uint32_t> columns) {
@@ -35,6 +27,25 @@ std::vector<column_run> subtract(std::span<const column_run> runs, std::span<con
     }
     if (begin < r.end) out.push_back({begin, r.end});
   }
+  return out;
+}
+
+// Calls fn(run, position) for each run of consecutive columns in the
+// ascending `columns`, `position` being the index of its first column there.
+template <class Fn>
+void for_each_packed_run(std::span<const std::uint32_t> columns, Fn&& fn) {
+  std::size_t first = 0;
+  for (std::size_t k = 1; k <= columns.size(); ++k) {
+    if (k < columns.size() && columns[k] == columns[k - 1] + 1) continue;
+    fn(column_run{columns[first], columns[k - 1] + 1}, first);
+    first = k;
+  }
+}
+
+// The sorted columns of `a` that are not in `b` (both ascending).
+std::vector<std::uint32_t> difference(std::span<const std::uint32_t> a, std::span<const std::uint32_t> b) {
+  std::vector<std::uint32_t> out;
+  std::set_difference(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(out));
   return out;
 }
 
@@ -86,6 +97,8 @@ engine::engine(const config& cfg, std::vector<weight_shape> weights, device_side
   for (int k = 0; k < window_count; ++k) {
     windows_[k].grad.resize(weights_.size());
     windows_[k].runs.resize(weights_.size());
+    windows_[k].entering.resize(weights_.size());
+    windows_[k].leaving.resize(weights_.size());
     for (const std::size_t w : matrices_) windows_[k].grad[w].assign(weights_[w].elements(), 0.0f);
   }
   cores_ = split_cores(config_.pt_reserved_cores_perc);
@@ -125,7 +138,7 @@ void engine::update_device() {
   const bool warm = step_ < schedule_.warm_up_steps;
   first_selection_ = false;
   if (!warm && !selection_made_) {
-    refresh_selection(windows_[current_]);  // the first selection: nothing accumulated yet
+    make_first_selection();
     selection_made_ = true;
     first_selection_ = true;
   }
@@ -141,9 +154,10 @@ void engine::update_device() {
 bool engine::device_waits_for_step() const {
   const bool warm = step_ < schedule_.warm_up_steps;
   if (warm) return true;  // every warm-up step ends a window, and applies it at once
-  if (is_select_boundary(schedule_, step_)) return true;
-  const bool may_end_window = !schedule_.update_interval || is_update_boundary(schedule_, step_);
+  const bool may_end_window =
+      !schedule_.update_interval || is_update_boundary(schedule_, step_) || is_select_boundary(schedule_, step_);
   if (!may_end_window) return false;
+  if (decided_by_ != nullptr) return true;  // columns change sides at this window's end
   // Without overlap the window's CPU step is applied at once; with it, the
   // boundary applies the previous window unless apply_previous_window() has.
   return !config_.overlap_step || next_window_ != applied_window_;
@@ -171,9 +185,13 @@ step_report engine::step() {
     const auto wait_start = clock::now();
     wait_and_apply();  // 4. the previous window's result
     report.wait_for_cpu = clock::now() - wait_start;
-    if (select) {
-      refresh_selection(windows_[current_]);
+    if (decided_by_ != nullptr) {
+      hand_over_decided(windows_[current_]);  // decided a window ago, staged by that window's CPU step
       report.refreshed = true;
+    }
+    if (select) {
+      decide_selection(windows_[current_]);
+      report.selection_decided = true;
     }
     close_window();  // 5. this window's CPU step
     report.cpu_step_started = true;
@@ -213,8 +231,8 @@ void engine::accumulate(window& win, bool observe) {
   }
 }
 
-void engine::refresh_selection(window& win) {
-  // The next selection of every 2-D weight.
+std::vector<std::vector<std::uint32_t>> engine::choose_selection() {
+  // The next selection of every 2-D weight, from this step's gradient.
   std::vector<std::vector<std::uint32_t>> next(weights_.size());
   std::vector<std::size_t> whole;  // weights selected as a whole
   std::vector<float> mass;
@@ -238,17 +256,70 @@ void engine::refresh_selection(window& win) {
       for (std::uint32_t c = 0; c < next[w].size(); ++c) next[w][c] = c;
     }
   }
+  return next;
+}
 
-  // Commit the new ownership; remember what changes hands.
+void engine::make_first_selection() {
+  // No window precedes it to stage the entering state: read it now, while
+  // the next forward waits (nothing has accumulated yet, nothing leaves).
+  const std::vector<std::vector<std::uint32_t>> next = choose_selection();
   std::vector<selection_change> changes(weights_.size());
   std::vector<std::size_t> changed;
   for (const std::size_t w : matrices_) {
-    win.runs[w] = owned_by_host_[w];  // what the window accumulated under
     changes[w] = splits_[w].refresh(next[w]);
     owned_by_host_[w] = host_runs(splits_[w]);
     if (!changes[w].entering.empty() || !changes[w].leaving.empty()) changed.push_back(w);
   }
+  window& win = windows_[current_];
+  host_.for_each(changed, [&](std::size_t w, const host_buffers& buffers) {
+    column_state entering = pack(w, changes[w].entering, buffers);
+    unpack(w, cross(win, w, changes[w], entering), buffers);
+  });
+  stats_.refreshes += 1;
+}
 
+void engine::decide_selection(window& win) {
+  // Columns change sides at the next window's end; this window's CPU step,
+  // which updates every host-owned column, copies the entering ones out.
+  decided_ = choose_selection();
+  bool moves = false;
+  for (const std::size_t w : matrices_) {
+    const std::span<const std::uint32_t> now = splits_[w].selected();
+    win.entering[w] = {};
+    win.entering[w].columns = difference(decided_[w], now);
+    moves = moves || !std::ranges::equal(now, decided_[w]);
+  }
+  decided_by_ = moves ? &win : nullptr;
+}
+
+void engine::hand_over_decided(window& win) {
+  window& staged = *decided_by_;
+  for (const std::size_t w : matrices_) {
+    win.runs[w] = owned_by_host_[w];  // what the window accumulated under
+    win.leaving[w] = {};
+    const selection_change change = splits_[w].refresh(decided_[w]);
+    if (change.entering.empty() && change.leaving.empty()) continue;
+    column_state entering = std::move(staged.entering[w]);
+    TF_ASSERT(entering.columns == change.entering, "zenflow: the staged columns are not the entering ones");
+    win.leaving[w] = cross(win, w, change, entering);  // written into the host's state by win's CPU step
+    owned_by_host_[w] = host_runs(splits_[w]);
+    win.runs[w] = subtract(win.runs[w], change.entering);
+  }
+  win.runs_fixed = true;
+  drop_decided();
+  stats_.refreshes += 1;
+}
+
+void engine::drop_decided() {
+  if (decided_by_ != nullptr) {
+    for (column_state& e : decided_by_->entering) e = {};
+  }
+  decided_by_ = nullptr;
+  decided_.clear();
+}
+
+engine::column_state engine::cross(window& win, std::size_t w, const selection_change& change,
+                                   column_state& entering) {
   // Columns entering the device first get this window's gradient applied on
   // the host (at the step count the window's CPU step will use), so nothing
   // accumulated is lost; then master values and state cross over, the state
@@ -257,41 +328,77 @@ void engine::refresh_selection(window& win) {
   // that updates a leaving column is the next window's).
   const std::int64_t window_step = host_step_ + 1;
   const std::int64_t device_count = static_cast<std::int64_t>(step_) + (device_updated_ ? 1 : 0);
-  host_.for_each(changed, [&](std::size_t w, const host_buffers& buffers) {
-    const selection_change& change = changes[w];
-    std::int64_t host_count = host_step_;
-    if (win.steps > 0 && !change.entering.empty()) {
-      update_host_columns(win, w, runs_of(change.entering), buffers, window_step);
-      host_count = window_step;
-    }
-    rebase_state(w, change.entering, buffers, host_count, device_count);
-    device_.hand_over(w, splits_[w].selected(), change, buffers);
-    rebase_state(w, change.leaving, buffers, device_count, window_step);
-  });
-  for (const std::size_t w : matrices_) win.runs[w] = subtract(win.runs[w], changes[w].entering);
-  win.runs_fixed = true;
-  stats_.refreshes += 1;
+  std::int64_t host_count = host_step_;
+  if (win.steps > 0 && !entering.columns.empty()) {
+    const std::uint64_t rows = weights_[w].rows;
+    for_each_packed_run(entering.columns, [&](column_run run, std::size_t at) {
+      const std::size_t begin = at * rows, n = (run.end - run.begin) * rows;
+      update_run(win, w, run, std::span(entering.param).subspan(begin, n),
+                 std::span(entering.state0).subspan(begin, n),
+                 entering.state1.empty() ? std::span<float>() : std::span(entering.state1).subspan(begin, n),
+                 window_step);
+    });
+    host_count = window_step;
+  }
+  rebase_state(w, entering, host_count, device_count);
+  const std::size_t n = change.leaving.size() * weights_[w].rows;
+  column_state leaving;
+  leaving.columns = change.leaving;
+  leaving.param.resize(n);
+  leaving.state0.resize(n);
+  if (rule_.state_count() > 1) leaving.state1.resize(n);
+  device_.hand_over(w, splits_[w].selected(), entering.view(), leaving.view());
+  rebase_state(w, leaving, device_count, window_step);
+  return leaving;
 }
 
-void engine::rebase_state(std::size_t w, std::span<const std::uint32_t> columns, const host_buffers& buffers,
-                          std::int64_t from_step, std::int64_t to_step) {
+engine::column_state engine::pack(std::size_t w, std::span<const std::uint32_t> columns,
+                                  const host_buffers& buffers) const {
+  const std::uint64_t rows = weights_[w].rows;
+  column_state out;
+  out.columns.assign(columns.begin(), columns.end());
+  const std::size_t n = columns.size() * rows;
+  out.param.resize(n);
+  out.state0.resize(n);
+  if (!buffers.state1.empty()) out.state1.resize(n);
+  for_each_packed_run(columns, [&](column_run run, std::size_t at) {
+    const std::size_t from = run.begin * rows, to = at * rows, count = (run.end - run.begin) * rows;
+    std::copy_n(buffers.param.begin() + from, count, out.param.begin() + to);
+    std::copy_n(buffers.state0.begin() + from, count, out.state0.begin() + to);
+    if (!out.state1.empty()) std::copy_n(buffers.state1.begin() + from, count, out.state1.begin() + to);
+  });
+  return out;
+}
+
+void engine::unpack(std::size_t w, const column_state& state, const host_buffers& buffers) const {
+  const std::uint64_t rows = weights_[w].rows;
+  for_each_packed_run(state.columns, [&](column_run run, std::size_t at) {
+    const std::size_t from = at * rows, to = run.begin * rows, count = (run.end - run.begin) * rows;
+    std::copy_n(state.param.begin() + from, count, buffers.param.begin() + to);
+    std::copy_n(state.state0.begin() + from, count, buffers.state0.begin() + to);
+    if (!buffers.state1.empty() && !state.state1.empty())
+      std::copy_n(state.state1.begin() + from, count, buffers.state1.begin() + to);
+  });
+}
+
+void engine::rebase_state(std::size_t w, column_state& state, std::int64_t from_step, std::int64_t to_step) {
   // A state never updated is zero at any count; equal counts need nothing.
-  if (columns.empty() || from_step == 0 || from_step == to_step) return;
+  if (state.columns.empty() || from_step == 0 || from_step == to_step) return;
   const weight_shape& shape = weights_[w];
   const std::uint64_t rows = shape.rows;
-  for (const column_run r : runs_of(columns)) {
-    const std::uint64_t begin = r.begin * rows, n = (r.end - r.begin) * rows;
+  for_each_packed_run(state.columns, [&](column_run run, std::size_t at) {
+    const std::size_t begin = at * rows, n = (run.end - run.begin) * rows;
     crossing_args args;
     args.weight = &shape;
     args.weight_index = w;
-    args.first_column = r.begin;
-    args.columns = r.end - r.begin;
-    args.state0 = buffers.state0.subspan(begin, n);
-    if (!buffers.state1.empty()) args.state1 = buffers.state1.subspan(begin, n);
+    args.first_column = run.begin;
+    args.columns = run.end - run.begin;
+    args.state0 = std::span(state.state0).subspan(begin, n);
+    if (!state.state1.empty()) args.state1 = std::span(state.state1).subspan(begin, n);
     args.from_step = from_step;
     args.to_step = to_step;
     rule_.rebase_state(args);
-  }
+  });
 }
 
 void rebase_adam_moments(const crossing_args& a, double beta1, double beta2) {
@@ -316,6 +423,9 @@ void engine::close_window() {
     for (const std::size_t w : matrices_) win.runs[w] = owned_by_host_[w];
   }
   win.runs_fixed = false;
+  if (decided_by_ != &win) {
+    for (column_state& e : win.entering) e = {};
+  }
 
   const bool overlap = config_.overlap_step && step_ >= schedule_.warm_up_steps;
   if (!overlap) {
@@ -337,14 +447,27 @@ void engine::close_window() {
 
 void engine::run_cpu_step(window& win) {
   const auto started = clock::now();
+  const bool updates = win.steps > 0;
   std::vector<std::size_t> todo;
   for (const std::size_t w : matrices_) {
-    if (!win.runs[w].empty()) todo.push_back(w);
+    if ((updates && !win.runs[w].empty()) || !win.leaving[w].columns.empty() || !win.entering[w].columns.empty())
+      todo.push_back(w);
   }
-  if (win.steps > 0 && !todo.empty()) {
+  if (!todo.empty()) {
     host_.for_each(todo, [&](std::size_t w, const host_buffers& buffers) {
-      update_host_columns(win, w, win.runs[w], buffers, win.host_step);
-      device_.stage_upload(w, win.runs[w], buffers.param);
+      // The columns that left the device at this window's end come home
+      // first; the window's own columns are updated; then the columns a
+      // refresh will move to the device are copied out, as updated.
+      unpack(w, win.leaving[w], buffers);
+      win.leaving[w] = {};
+      if (updates && !win.runs[w].empty()) {
+        update_host_columns(win, w, win.runs[w], buffers, win.host_step);
+        device_.stage_upload(w, win.runs[w], buffers.param);
+      }
+      if (!win.entering[w].columns.empty()) {
+        std::vector<std::uint32_t> columns = std::move(win.entering[w].columns);
+        win.entering[w] = pack(w, columns, buffers);
+      }
     });
   }
   win.steps = 0;
@@ -360,29 +483,36 @@ void engine::update_host_columns(window& win, std::size_t w, std::span<const col
     TF_ASSERT(runs.size() == 1 && runs[0].begin == 0 && runs[0].end == shape.cols,
               "a matrix-granular rule updates whole matrices");
   }
-  // The host applies the window's mean gradient.
-  const float scale = 1.0f / static_cast<float>(win.steps);
-  std::vector<float>& sum = win.grad[w];
   for (const column_run r : runs) {
     const std::uint64_t begin = r.begin * rows, n = (r.end - r.begin) * rows;
-    const std::span<float> grad(sum.data() + begin, n);
-    if (win.steps > 1) {
-      for (float& x : grad) x *= scale;
-    }
-    update_args args;
-    args.weight = &shape;
-    args.weight_index = w;
-    args.first_column = r.begin;
-    args.columns = r.end - r.begin;
-    args.param = buffers.param.subspan(begin, n);
-    args.grad = grad;
-    args.state0 = buffers.state0.subspan(begin, n);
-    if (!buffers.state1.empty()) args.state1 = buffers.state1.subspan(begin, n);
-    args.step = host_step;
-    args.where = side::host;
-    rule_.apply(args);
-    std::fill(grad.begin(), grad.end(), 0.0f);  // consumed: the window can be reused
+    update_run(win, w, r, buffers.param.subspan(begin, n), buffers.state0.subspan(begin, n),
+               buffers.state1.empty() ? std::span<float>() : buffers.state1.subspan(begin, n), host_step);
   }
+}
+
+void engine::update_run(window& win, std::size_t w, column_run run, std::span<float> param, std::span<float> state0,
+                        std::span<float> state1, std::int64_t host_step) {
+  // The host applies the window's mean gradient, and consumes it.
+  const weight_shape& shape = weights_[w];
+  const std::uint64_t rows = shape.rows;
+  const std::span<float> grad(win.grad[w].data() + run.begin * rows, (run.end - run.begin) * rows);
+  if (win.steps > 1) {
+    const float scale = 1.0f / static_cast<float>(win.steps);
+    for (float& x : grad) x *= scale;
+  }
+  update_args args;
+  args.weight = &shape;
+  args.weight_index = w;
+  args.first_column = run.begin;
+  args.columns = run.end - run.begin;
+  args.param = param;
+  args.grad = grad;
+  args.state0 = state0;
+  args.state1 = state1;
+  args.step = host_step;
+  args.where = side::host;
+  rule_.apply(args);
+  std::fill(grad.begin(), grad.end(), 0.0f);  // consumed: the window can be reused
 }
 
 void engine::wait_and_apply() {
@@ -391,7 +521,10 @@ void engine::wait_and_apply() {
     unique_lock lock(mutex_);
     while (pending_ != nullptr) lock.wait(cv_);
     done = std::exchange(finished_, nullptr);
-    if (cpu_error_) std::rethrow_exception(std::exchange(cpu_error_, nullptr));
+    if (cpu_error_) {
+      drop_decided();  // its entering state was not staged
+      std::rethrow_exception(std::exchange(cpu_error_, nullptr));
+    }
   }
   if (done != nullptr) {
     stats_.cpu_steps += 1;
@@ -452,6 +585,7 @@ bool engine::will_update() const {
 
 void engine::finish() {
   wait_and_apply();
+  drop_decided();
   if (windows_[current_].steps > 0) {
     // Close the open window at once, as if this step ended one.
     window& win = windows_[current_];

@@ -103,19 +103,20 @@ void standin_device::apply_staged(std::size_t w, std::span<const column_run> run
               compute_[w].begin() + r.begin * rows);
 }
 
-void standin_device::hand_over(std::size_t w, std::span<const std::uint32_t> selected, const selection_change& change,
-                               const host_buffers& host) {
+void standin_device::hand_over(std::size_t w, std::span<const std::uint32_t> selected, const packed_columns& entering,
+                               const packed_columns& leaving) {
   const std::uint64_t rows = weights_[w].rows;
   owned& o = owned_[w];
   const bool two = rule_.state_count() > 1;
   // Leaving columns: their master and state go to the host.
-  for (const std::uint32_t c : change.leaving) {
+  for (std::size_t i = 0; i < leaving.columns.size(); ++i) {
+    const std::uint32_t c = leaving.columns[i];
     const auto it = std::lower_bound(o.columns.begin(), o.columns.end(), c);
     TF_ASSERT(it != o.columns.end() && *it == c, "a leaving column was not the device's");
-    const std::size_t at = static_cast<std::size_t>(it - o.columns.begin()) * rows;
-    std::copy_n(o.master.begin() + static_cast<std::ptrdiff_t>(at), rows, host.param.begin() + c * rows);
-    std::copy_n(o.state0.begin() + static_cast<std::ptrdiff_t>(at), rows, host.state0.begin() + c * rows);
-    if (two) std::copy_n(o.state1.begin() + static_cast<std::ptrdiff_t>(at), rows, host.state1.begin() + c * rows);
+    const auto at = (it - o.columns.begin()) * static_cast<std::ptrdiff_t>(rows);
+    std::copy_n(o.master.begin() + at, rows, leaving.param.begin() + i * rows);
+    std::copy_n(o.state0.begin() + at, rows, leaving.state0.begin() + i * rows);
+    if (two) std::copy_n(o.state1.begin() + at, rows, leaving.state1.begin() + i * rows);
   }
   // The new packed layout, in selection order: kept columns move within the
   // device, entering ones come from the host.
@@ -124,22 +125,35 @@ void standin_device::hand_over(std::size_t w, std::span<const std::uint32_t> sel
   next.master.resize(selected.size() * rows);
   next.state0.resize(selected.size() * rows);
   if (two) next.state1.resize(selected.size() * rows);
+  std::size_t entered = 0;
   for (std::size_t k = 0; k < selected.size(); ++k) {
     const std::uint32_t c = selected[k];
     const auto it = std::lower_bound(o.columns.begin(), o.columns.end(), c);
     const bool kept = it != o.columns.end() && *it == c;
-    const std::size_t from = kept ? static_cast<std::size_t>(it - o.columns.begin()) * rows : 0;
-    for (std::uint64_t r = 0; r < rows; ++r) {
-      next.master[k * rows + r] = kept ? o.master[from + r] : host.param[c * rows + r];
-      next.state0[k * rows + r] = kept ? o.state0[from + r] : host.state0[c * rows + r];
-      if (two) next.state1[k * rows + r] = kept ? o.state1[from + r] : host.state1[c * rows + r];
+    if (!kept) TF_ASSERT(entered < entering.columns.size() && entering.columns[entered] == c,
+                         "a column entering the device is not among the entering ones");
+    const std::span<const float> master =
+        kept ? std::span<const float>(o.master).subspan((it - o.columns.begin()) * rows, rows)
+             : entering.param.subspan(entered * rows, rows);
+    const std::span<const float> state0 =
+        kept ? std::span<const float>(o.state0).subspan((it - o.columns.begin()) * rows, rows)
+             : entering.state0.subspan(entered * rows, rows);
+    std::copy(master.begin(), master.end(), next.master.begin() + k * rows);
+    std::copy(state0.begin(), state0.end(), next.state0.begin() + k * rows);
+    if (two) {
+      const std::span<const float> state1 =
+          kept ? std::span<const float>(o.state1).subspan((it - o.columns.begin()) * rows, rows)
+               : entering.state1.subspan(entered * rows, rows);
+      std::copy(state1.begin(), state1.end(), next.state1.begin() + k * rows);
     }
     if (!kept) {
       // The compute copy of an entering column starts from the host's master.
-      std::copy_n(host.param.begin() + c * rows, rows, compute_[w].begin() + c * rows);
+      std::copy(master.begin(), master.end(), compute_[w].begin() + c * rows);
+      ++entered;
     }
   }
-  TF_ASSERT(change.entering.size() + (o.columns.size() - change.leaving.size()) == selected.size(),
+  TF_ASSERT(entered == entering.columns.size() &&
+                entering.columns.size() + (o.columns.size() - leaving.columns.size()) == selected.size(),
             "hand-over does not add up");
   o = std::move(next);
 }

@@ -631,16 +631,20 @@ void cuda_zenflow_device::apply_staged(std::size_t w, std::span<const zenflow::c
 }
 
 void cuda_zenflow_device::hand_over(std::size_t w, std::span<const std::uint32_t> selected,
-                                    const zenflow::selection_change& change, const zenflow::host_buffers& host) {
+                                    const zenflow::packed_columns& entering_state,
+                                    const zenflow::packed_columns& leaving_state) {
   impl& d = *impl_;
   TF_ASSERT(w < d.weights.size());
   const zenflow::weight_shape& s = d.weights[w];
   const std::uint64_t rows = s.rows;
   impl::weight_state& ws = d.state[w];
   const std::vector<std::uint32_t>& old = ws.columns;
-  TF_ASSERT(host.param.size() == s.elements() && host.state0.size() == s.elements() &&
-                host.state1.size() == s.elements(),
-            "hand_over: the CUDA device keeps Adam's two moments; the host buffers must hold both");
+  const std::size_t in_elements = entering_state.columns.size() * rows;
+  const std::size_t out_elements = leaving_state.columns.size() * rows;
+  TF_ASSERT(entering_state.param.size() == in_elements && entering_state.state0.size() == in_elements &&
+                entering_state.state1.size() == in_elements && leaving_state.param.size() == out_elements &&
+                leaving_state.state0.size() == out_elements && leaving_state.state1.size() == out_elements,
+            "hand_over: the CUDA device keeps Adam's two moments; the packed columns must hold both");
 
   // Where each new slot comes from: a kept column's old slot (>= 0), or the
   // next entering column (-1 - its index among the entering ones).
@@ -658,15 +662,16 @@ void cuda_zenflow_device::hand_over(std::size_t w, std::span<const std::uint32_t
       entering.push_back(c);
     }
   }
-  std::vector<std::int64_t> leaving(change.leaving.size());
-  for (std::size_t i = 0; i < change.leaving.size(); ++i) {
-    const std::uint32_t c = change.leaving[i];
+  std::vector<std::int64_t> leaving(leaving_state.columns.size());
+  for (std::size_t i = 0; i < leaving.size(); ++i) {
+    const std::uint32_t c = leaving_state.columns[i];
     const auto it = std::lower_bound(old.begin(), old.end(), c);
     TF_ASSERT(it != old.end() && *it == c, "a leaving column was not the device's");
     leaving[i] = it - old.begin();
   }
-  TF_ASSERT(change.entering.size() + (old.size() - change.leaving.size()) == slots, "hand-over does not add up");
-  TF_ASSERT(entering.size() == change.entering.size(), "hand-over: the entering columns disagree with the selection");
+  TF_ASSERT(entering.size() + (old.size() - leaving.size()) == slots, "hand-over does not add up");
+  TF_ASSERT(std::ranges::equal(entering, entering_state.columns),
+            "hand-over: the entering columns disagree with the selection");
 
   // One transfer buffer, mirrored by one device scratch allocation:
   //   [entering master | exp_avg | exp_avg_sq] [source] [leaving] [columns]  → up, one copy
@@ -683,11 +688,10 @@ void cuda_zenflow_device::hand_over(std::size_t w, std::span<const std::uint32_t
   std::byte* const pinned = d.transfer.data();
   {
     auto* in = reinterpret_cast<float*>(pinned);
-    for (std::size_t e = 0; e < entering.size(); ++e) {
-      const std::size_t from = entering[e] * rows;
-      std::memcpy(in + e * rows, host.param.data() + from, rows * sizeof(float));
-      std::memcpy(in + in_plane + e * rows, host.state0.data() + from, rows * sizeof(float));
-      std::memcpy(in + 2 * in_plane + e * rows, host.state1.data() + from, rows * sizeof(float));
+    if (in_plane > 0) {
+      std::memcpy(in, entering_state.param.data(), in_plane * sizeof(float));
+      std::memcpy(in + in_plane, entering_state.state0.data(), in_plane * sizeof(float));
+      std::memcpy(in + 2 * in_plane, entering_state.state1.data(), in_plane * sizeof(float));
     }
     // (An empty vector's data() may be null, which memcpy must not see.)
     if (slots > 0) {
@@ -755,11 +759,10 @@ void cuda_zenflow_device::hand_over(std::size_t w, std::span<const std::uint32_t
   d.synchronize(w);
   {
     const auto* out = reinterpret_cast<const float*>(pinned + out_at);
-    for (std::size_t i = 0; i < change.leaving.size(); ++i) {
-      const std::size_t to = change.leaving[i] * rows;
-      std::memcpy(host.param.data() + to, out + i * rows, rows * sizeof(float));
-      std::memcpy(host.state0.data() + to, out + out_plane + i * rows, rows * sizeof(float));
-      std::memcpy(host.state1.data() + to, out + 2 * out_plane + i * rows, rows * sizeof(float));
+    if (out_plane > 0) {
+      std::memcpy(leaving_state.param.data(), out, out_plane * sizeof(float));
+      std::memcpy(leaving_state.state0.data(), out + out_plane, out_plane * sizeof(float));
+      std::memcpy(leaving_state.state1.data(), out + 2 * out_plane, out_plane * sizeof(float));
     }
   }
   ws.packed = std::move(next);  // frees the old state

@@ -150,8 +150,8 @@ class cuda_zenflow_device final : public zenflow::device_side {
   void stage_upload(std::size_t w, std::span<const zenflow::column_run> runs,
                     std::span<const float> master) override;
   void apply_staged(std::size_t w, std::span<const zenflow::column_run> runs) override;
-  void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const zenflow::selection_change& change,
-                 const zenflow::host_buffers& host) override;
+  void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const zenflow::packed_columns& entering,
+                 const zenflow::packed_columns& leaving) override;
 
  private:
   struct impl;

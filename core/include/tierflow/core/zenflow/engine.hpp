@@ -17,16 +17,23 @@
 // computes with are at most one window behind (asserted at every upload).
 //
 // Column ownership: every column of every weight is owned by exactly one side
-// at every moment. At a refresh the columns changing hands take their master
-// value and optimizer state with them; columns entering the device first get
-// the gradient they accumulated in the current window applied on the host, so
-// no gradient is lost and none is applied twice. Each side counts its own
-// steps (the device one per step, the host one per window), so the state
-// that crosses is rebased to the count of the side it enters
-// (update_rule::rebase_state): Adam's bias-corrected moments are the same
-// just after the crossing as just before. With update_interval 1 and no
-// overlap the counts agree and ZenFlow computes exactly what the plain
-// optimizer computes, whatever the selection.
+// at every moment. A refresh is decided at a select boundary, from that
+// step's gradient, and takes effect at the end of the next window, so that
+// its passes over the host's state run in the CPU steps, off the trainer's
+// thread: the CPU step of the deciding window copies the entering columns'
+// master values and state out as it streams them (a pass it makes anyway),
+// the columns change sides at the next boundary in host memory alone, and
+// the CPU step that follows writes the leaving columns' state in. Columns
+// entering the device first get the gradient they accumulated in the window
+// just ended applied on the host, so no gradient is lost and none is applied
+// twice. Each side counts its own steps (the device one per step, the host
+// one per window), so the state that crosses is rebased to the count of the
+// side it enters (update_rule::rebase_state): Adam's bias-corrected moments
+// are the same just after the crossing as just before. With update_interval
+// 1 and no overlap the counts agree and ZenFlow computes exactly what the
+// plain optimizer computes, whatever the selection. The first selection has
+// no window before it: it reads the selected columns' state at once, and
+// the step that makes it holds the next forward.
 //
 // Weights whose unit is the whole matrix (Muon) are selected whole: the top
 // topk_ratio of those weights by gradient mass are updated on the device
@@ -104,6 +111,16 @@ struct crossing_args {
   std::span<float> state1;  // empty for a rule with one state
   std::int64_t from_step = 1;  // the count of the side left: the step of the state's last update (≥ 1)
   std::int64_t to_step = 1;    // the count of the side entered: its next update is to_step + 1 (≥ 1)
+};
+
+// The master values and states of some columns of one weight, packed in the
+// order of `columns` (ascending): the i-th column is elements
+// [i·rows, (i+1)·rows) of each span. What crosses sides at a refresh.
+struct packed_columns {
+  std::span<const std::uint32_t> columns;
+  std::span<float> param;
+  std::span<float> state0;
+  std::span<float> state1;  // empty for a rule with one state
 };
 
 // Adam's moments rebased from one step count to another: m·(1−β1^to)/(1−β1^from)
@@ -192,17 +209,19 @@ class device_side {
   virtual void stage_upload(std::size_t w, std::span<const column_run> runs, std::span<const float> master) = 0;
   // Makes the staged `runs` of `w` the compute copy's (device-local, quick).
   virtual void apply_staged(std::size_t w, std::span<const column_run> runs) = 0;
-  // Makes `selected` the device-owned columns of `w`. For each column of
-  // change.entering, takes its master value and states from `host`; for each
-  // of change.leaving, writes them into `host`.
-  virtual void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const selection_change& change,
-                         const host_buffers& host) = 0;
+  // Makes `selected` the device-owned columns of `w`: takes the master
+  // values and states of entering.columns from `entering`, and writes those
+  // of leaving.columns (columns it owned that `selected` leaves out) into
+  // `leaving`. Both are small (the columns that move), in host memory.
+  virtual void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const packed_columns& entering,
+                         const packed_columns& leaving) = 0;
 };
 
 struct step_report {
   std::uint64_t step = 0;
   bool warm_up = false;
-  bool refreshed = false;       // the selection changed after this step
+  bool refreshed = false;       // columns changed sides after this step
+  bool selection_decided = false;  // the next selection was chosen; it takes effect at the next window's end
   bool update_boundary = false;
   bool cpu_step_started = false;
   std::chrono::nanoseconds wait_for_cpu{0};  // the device waited for the previous CPU step (the stall)
@@ -212,7 +231,7 @@ struct step_report {
 struct engine_stats {
   std::uint64_t steps = 0;
   std::uint64_t cpu_steps = 0;
-  std::uint64_t refreshes = 0;
+  std::uint64_t refreshes = 0;  // hand-overs, the first selection among them
   std::chrono::nanoseconds wait_for_cpu{0};
   std::chrono::nanoseconds cpu_step_time{0};  // summed duration of the CPU steps
 };
@@ -243,8 +262,8 @@ class engine {
   // buffer, as the next backward writes its own).
   void update_device();
   // Whether the next step() may change what the device computes with, so
-  // the next forward has to wait for it: a selection refresh (columns change
-  // sides), a warm-up step or a step without overlap_step that ends a window
+  // the next forward has to wait for it: a window end at which columns
+  // change sides (a refresh decided a window earlier), a warm-up step or a step without overlap_step that ends a window
   // (its CPU step is applied at once), or a window boundary whose previous
   // window apply_previous_window() has not applied yet. With
   // update_interval "auto" any step may end a window, and answers as one.
@@ -262,7 +281,8 @@ class engine {
   bool will_update() const;
   // Waits for the CPU step in flight and uploads its result, then closes the
   // open window at once, so the device holds the newest parameters (before
-  // evaluation or a checkpoint).
+  // evaluation or a checkpoint). A refresh decided and not yet made is
+  // dropped: the selection stays as it is until the next select boundary.
   void finish();
 
   const schedule& resolved() const noexcept { return schedule_; }
@@ -279,10 +299,24 @@ class engine {
   bool device_owns(std::size_t w, std::uint32_t column) const;
 
  private:
+  // Master values and states of some columns of one weight, packed (the
+  // storage behind a packed_columns).
+  struct column_state {
+    std::vector<std::uint32_t> columns;
+    std::vector<float> param, state0, state1;
+    packed_columns view() { return {columns, param, state0, state1}; }
+  };
+
   struct window {
     std::vector<std::vector<float>> grad;       // per weight, the gradient summed over the window
     std::vector<std::vector<column_run>> runs;  // per weight, the columns its CPU step updates
-    bool runs_fixed = false;                    // set by a refresh, not recomputed at submission
+    bool runs_fixed = false;                    // set by a hand-over, not recomputed at submission
+    // Per weight, for the refresh decided at this window's end: the columns
+    // entering the device, whose state its CPU step copies out once updated.
+    std::vector<column_state> entering;
+    // Per weight, the columns that left the device at this window's end:
+    // their state, which its CPU step writes into the host's first.
+    std::vector<column_state> leaving;
     std::uint64_t steps = 0;                    // steps accumulated
     std::uint64_t index = 0;                    // which window
     std::int64_t host_step = 0;                 // the host step count its CPU step applies
@@ -290,13 +324,21 @@ class engine {
   };
 
   void accumulate(window& win, bool observe);
-  void refresh_selection(window& win);
-  void rebase_state(std::size_t w, std::span<const std::uint32_t> columns, const host_buffers& buffers,
-                    std::int64_t from_step, std::int64_t to_step);
+  std::vector<std::vector<std::uint32_t>> choose_selection();
+  void make_first_selection();
+  void decide_selection(window& win);
+  void hand_over_decided(window& win);
+  void drop_decided();
+  column_state cross(window& win, std::size_t w, const selection_change& change, column_state& entering);
+  column_state pack(std::size_t w, std::span<const std::uint32_t> columns, const host_buffers& buffers) const;
+  void unpack(std::size_t w, const column_state& state, const host_buffers& buffers) const;
+  void rebase_state(std::size_t w, column_state& state, std::int64_t from_step, std::int64_t to_step);
   void close_window();
   void run_cpu_step(window& win);
   void update_host_columns(window& win, std::size_t w, std::span<const column_run> runs,
                            const host_buffers& buffers, std::int64_t host_step);
+  void update_run(window& win, std::size_t w, column_run run, std::span<float> param, std::span<float> state0,
+                  std::span<float> state1, std::int64_t host_step);
   void wait_and_apply();
   void apply_window(window& win);
   void worker_loop();
@@ -321,6 +363,11 @@ class engine {
   std::uint64_t next_window_ = 0;       // index of the next window to open
   std::uint64_t applied_window_ = 0;    // windows whose results the device computes with
   bool selection_made_ = false;
+  // A refresh decided at a select boundary, made at the next window's end:
+  // per weight, the selection it makes; the window whose CPU step copies
+  // the entering columns' state out.
+  std::vector<std::vector<std::uint32_t>> decided_;
+  window* decided_by_ = nullptr;
   // update_device() ran for the step about to run: whether it made the first
   // selection, and how long it took (both go into the step's report).
   bool device_updated_ = false;

@@ -51,8 +51,8 @@ class standin_device final : public device_side {
   std::span<const float> download_gradient(std::size_t w) override;
   void stage_upload(std::size_t w, std::span<const column_run> runs, std::span<const float> master) override;
   void apply_staged(std::size_t w, std::span<const column_run> runs) override;
-  void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const selection_change& change,
-                 const host_buffers& host) override;
+  void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const packed_columns& entering,
+                 const packed_columns& leaving) override;
 
  private:
   struct owned {
