@@ -288,25 +288,36 @@ struct sequential_zenflow {
     }
     return next;
   }
-  // Columns change sides; `device_count` is the device's steps so far.
-  void cross(const std::vector<std::vector<bool>>& next, std::int64_t device_count, bool first) {
+  // The columns of `next` the device lacks join it; `device_count` is the
+  // device's steps so far.
+  void enter(const std::vector<std::vector<bool>>& next, std::int64_t device_count, bool first) {
     for (std::size_t w = 0; w < weights.size(); ++w) {
       if (!weights[w].matrix()) continue;
       for (std::uint32_t c = 0; c < weights[w].cols; ++c) {
-        if (next[w][c] && !on_device[w][c]) {  // entering: this window's gradient first, on the host
-          std::int64_t count = host_count;
-          if (window_steps > 0) {
-            count = host_count + 1;
-            host_update(w, c, count);
-          }
-          rescale(w, c, count, device_count);
-          show(w, c);
-        } else if (!next[w][c] && on_device[w][c]) {  // leaving: next updated by the next window's CPU step
-          rescale(w, c, device_count, host_count + 1);
+        if (!next[w][c] || on_device[w][c]) continue;
+        std::int64_t count = host_count;  // the window's gradient so far first, on the host
+        if (window_steps > 0) {
+          count = host_count + 1;
+          host_update(w, c, count);
         }
-        if (!first && next[w][c] != on_device[w][c]) ++crossings;
+        rescale(w, c, count, device_count);
+        show(w, c);
+        on_device[w][c] = true;
+        if (!first) ++crossings;
       }
-      on_device[w] = next[w];
+    }
+  }
+  // The device's columns outside `next` leave it, to be updated first by the
+  // next window's CPU step.
+  void leave(const std::vector<std::vector<bool>>& next, std::int64_t device_count) {
+    for (std::size_t w = 0; w < weights.size(); ++w) {
+      if (!weights[w].matrix()) continue;
+      for (std::uint32_t c = 0; c < weights[w].cols; ++c) {
+        if (next[w][c] || !on_device[w][c]) continue;
+        rescale(w, c, device_count, host_count + 1);
+        on_device[w][c] = false;
+        ++crossings;
+      }
     }
   }
 
@@ -318,9 +329,15 @@ struct sequential_zenflow {
     }
     const bool warming = s < warm;
     if (!warming && !selected) {
-      cross(choose(g), static_cast<std::int64_t>(s), true);  // the first selection, at once
+      enter(choose(g), static_cast<std::int64_t>(s), true);  // the first selection, at once
       selected = true;
     }
+    // A selection chosen a window ago: at the end of the next window, its
+    // columns join the device before the device's update, and the others
+    // leave after the host's part of the step.
+    const std::uint64_t since = s + 1 - warm;
+    const bool boundary = warming || since % update_interval == 0;
+    if (boundary && !decided.empty()) enter(decided, static_cast<std::int64_t>(s), false);
     // The device: its columns, every step, at its own count.
     for (std::size_t w = 0; w < weights.size(); ++w)
       for (std::uint32_t c = 0; c < weights[w].cols; ++c)
@@ -333,8 +350,6 @@ struct sequential_zenflow {
       for (std::uint64_t i = 0; i < weights[w].elements(); ++i)
         if (!on_device[w][i / weights[w].rows]) sum[w][i] += g[w][i];
     ++window_steps;
-    const std::uint64_t since = s + 1 - warm;
-    const bool boundary = warming || since % update_interval == 0;
     if (boundary) close(g, !warming && since % select_interval == 0, static_cast<std::int64_t>(s) + 1, !warming);
     snapshot();
   }
@@ -349,7 +364,7 @@ struct sequential_zenflow {
       host_before[w].resize(weights[w].cols);
       for (std::uint32_t c = 0; c < weights[w].cols; ++c) host_before[w][c] = !on_device[w][c];
     }
-    if (!decided.empty()) cross(decided, device_count, false);
+    if (!decided.empty()) leave(decided, device_count);
     decided.clear();
     if (select) decided = choose(g);
     ++host_count;
@@ -534,12 +549,13 @@ TEST(ZenflowEngine, SplitStepMatchesStepAndTheNextForwardWaitsOnlyWhenItMust) {
   };
   const setup setups[] = {
       // Windows of 2, selections chosen every 6 steps (after steps 5 and 11)
-      // and made a window later (after steps 7 and 13), overlap, the
-      // previous window applied early: only the hand-overs wait.
-      {step_config(0.25, 2, 6, true), true, 2, 2},
+      // and made a window later (in update_device() of steps 7 and 13),
+      // overlap, the previous window applied early: no step waits.
+      {step_config(0.25, 2, 6, true), true, 0, 0},
       // The same without applying early: the boundaries that apply a window
-      // (after steps 3, 5, …, 13; the first has none) wait instead.
-      {step_config(0.25, 2, 6, true), false, 6, 6},
+      // in step() (after steps 3, 5, 9 and 11; the first has none) wait;
+      // at steps 7 and 13 update_device() applied it, to hand columns over.
+      {step_config(0.25, 2, 6, true), false, 4, 4},
       // No overlap: every boundary applies its window at once.
       {step_config(0.25, 2, 6, false), false, 7, 7},
       // Two warm-up steps, then windows of 3 with overlap applied early.

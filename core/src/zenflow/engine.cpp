@@ -13,23 +13,6 @@ namespace {
 
 using clock = std::chrono::steady_clock;
 
-// `runs` without the (sorted) `columns`.
-std::vector<column_run> subtract(std::span<const column_run> runs, std::span<const std::uint32_t> columns) {
-  std::vector<column_run> out;
-  std::size_t k = 0;
-  for (column_run r : runs) {
-    std::uint32_t begin = r.begin;
-    while (k < columns.size() && columns[k] < r.end) {
-      const std::uint32_t c = columns[k++];
-      if (c < begin) continue;
-      if (c > begin) out.push_back({begin, c});
-      begin = c + 1;
-    }
-    if (begin < r.end) out.push_back({begin, r.end});
-  }
-  return out;
-}
-
 // Calls fn(run, position) for each run of consecutive columns in the
 // ascending `columns`, `position` being the index of its first column there.
 template <class Fn>
@@ -137,10 +120,26 @@ void engine::update_device() {
   const auto started = clock::now();
   const bool warm = step_ < schedule_.warm_up_steps;
   first_selection_ = false;
+  entered_now_ = false;
+  device_update_wait_ = {};
   if (!warm && !selection_made_) {
     make_first_selection();
     selection_made_ = true;
     first_selection_ = true;
+  }
+  // A refresh chosen a window ago, with a fixed update_interval that says
+  // this step ends the window: its entering columns join the device before
+  // its update, so that this step's gradient of theirs is the device's and
+  // the host's part of the step has nothing to hand over that the next
+  // forward reads. (With "auto" the window's end is known only once the
+  // step's gradient is in: step() hands over there.)
+  if (decided_by_ != nullptr && schedule_.update_interval &&
+      (is_update_boundary(schedule_, step_) || is_select_boundary(schedule_, step_))) {
+    const auto wait_start = clock::now();
+    wait_and_apply();  // the deciding window's CPU step staged the entering state
+    device_update_wait_ = clock::now() - wait_start;
+    enter_decided(windows_[current_]);
+    entered_now_ = true;
   }
   // 2. The device-owned columns and the 1-D weights, on the device, every step.
   const auto device_step = static_cast<std::int64_t>(step_) + 1;
@@ -148,7 +147,8 @@ void engine::update_device() {
     if (!splits_[w].selected().empty()) device_.update_owned(w, device_step);
   }
   device_updated_ = true;
-  device_update_time_ = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - started);
+  device_update_time_ =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - started) - device_update_wait_;
 }
 
 bool engine::device_waits_for_step() const {
@@ -157,7 +157,8 @@ bool engine::device_waits_for_step() const {
   const bool may_end_window =
       !schedule_.update_interval || is_update_boundary(schedule_, step_) || is_select_boundary(schedule_, step_);
   if (!may_end_window) return false;
-  if (decided_by_ != nullptr) return true;  // columns change sides at this window's end
+  // With "auto", columns chosen a window ago join the device in step().
+  if (decided_by_ != nullptr && !schedule_.update_interval) return true;
   // Without overlap the window's CPU step is applied at once; with it, the
   // boundary applies the previous window unless apply_previous_window() has.
   return !config_.overlap_step || next_window_ != applied_window_;
@@ -171,7 +172,8 @@ step_report engine::step() {
   report.step = step_;
   const bool warm = step_ < schedule_.warm_up_steps;
   report.warm_up = warm;
-  report.refreshed = first_selection_;
+  report.refreshed = first_selection_ || entered_now_;
+  report.wait_for_cpu = device_update_wait_;
   const bool auto_interval = !schedule_.update_interval;
 
   // 3. The host-owned columns' gradient, added into the window.
@@ -184,11 +186,12 @@ step_report engine::step() {
     report.update_boundary = true;
     const auto wait_start = clock::now();
     wait_and_apply();  // 4. the previous window's result
-    report.wait_for_cpu = clock::now() - wait_start;
+    report.wait_for_cpu += clock::now() - wait_start;
     if (decided_by_ != nullptr) {
-      hand_over_decided(windows_[current_]);  // decided a window ago, staged by that window's CPU step
+      enter_decided(windows_[current_]);  // "auto": chosen a window ago, staged by that window's CPU step
       report.refreshed = true;
     }
+    if (entered_) leave_decided(windows_[current_]);
     if (select) {
       decide_selection(windows_[current_]);
       report.selection_decided = true;
@@ -292,29 +295,55 @@ void engine::decide_selection(window& win) {
   decided_by_ = moves ? &win : nullptr;
 }
 
-void engine::hand_over_decided(window& win) {
+void engine::enter_decided(window& win) {
+  // The device takes the entering columns, and keeps the leaving ones until
+  // leave_decided(): for a moment it owns both.
   window& staged = *decided_by_;
   for (const std::size_t w : matrices_) {
-    win.runs[w] = owned_by_host_[w];  // what the window accumulated under
-    win.leaving[w] = {};
-    const selection_change change = splits_[w].refresh(decided_[w]);
-    if (change.entering.empty() && change.leaving.empty()) continue;
+    const std::span<const std::uint32_t> now = splits_[w].selected();
+    std::vector<std::uint32_t> both;
+    std::set_union(now.begin(), now.end(), decided_[w].begin(), decided_[w].end(), std::back_inserter(both));
+    const selection_change change = splits_[w].refresh(both);
+    if (change.entering.empty()) continue;
     column_state entering = std::move(staged.entering[w]);
     TF_ASSERT(entering.columns == change.entering, "zenflow: the staged columns are not the entering ones");
-    win.leaving[w] = cross(win, w, change, entering);  // written into the host's state by win's CPU step
+    cross(win, w, change, entering);
     owned_by_host_[w] = host_runs(splits_[w]);
-    win.runs[w] = subtract(win.runs[w], change.entering);
   }
-  win.runs_fixed = true;
-  drop_decided();
+  for (column_state& e : staged.entering) e = {};
+  decided_by_ = nullptr;
+  entered_ = true;
   stats_.refreshes += 1;
 }
 
+void engine::leave_decided(window& win) {
+  // The leaving columns' state comes into host memory, rebased to the host's
+  // count; win's CPU step writes it into the host's state first, and the
+  // next window's is the first to update them, so win's runs stay as they
+  // were accumulated.
+  for (const std::size_t w : matrices_) {
+    win.runs[w] = owned_by_host_[w];
+    win.leaving[w] = {};
+    const selection_change change = splits_[w].refresh(decided_[w]);
+    TF_ASSERT(change.entering.empty(), "zenflow: columns entering as others leave");
+    if (change.leaving.empty()) continue;
+    column_state none;
+    win.leaving[w] = cross(win, w, change, none);
+    owned_by_host_[w] = host_runs(splits_[w]);
+  }
+  win.runs_fixed = true;
+  entered_ = false;
+  decided_.clear();
+}
+
 void engine::drop_decided() {
+  // Columns that entered stay the device's, those that were to leave too:
+  // nothing is lost, the selection is only larger until the next refresh.
   if (decided_by_ != nullptr) {
     for (column_state& e : decided_by_->entering) e = {};
   }
   decided_by_ = nullptr;
+  entered_ = false;
   decided_.clear();
 }
 

@@ -26,7 +26,10 @@
 // the CPU step that follows writes the leaving columns' state in. Columns
 // entering the device first get the gradient they accumulated in the window
 // just ended applied on the host, so no gradient is lost and none is applied
-// twice. Each side counts its own steps (the device one per step, the host
+// twice. With a fixed update_interval they enter in update_device() of the
+// window's last step, before the device's update, and the leaving columns
+// leave in its step(), after the host's accumulation: step() then changes
+// nothing the next forward reads. Each side counts its own steps (the device one per step, the host
 // one per window), so the state that crosses is rebased to the count of the
 // side it enters (update_rule::rebase_state): Adam's bias-corrected moments
 // are the same just after the crossing as just before. With update_interval
@@ -252,8 +255,11 @@ class engine {
   // Runs ZenFlow's work for the step whose backward just produced the
   // gradients on the device. Rethrows an error of the previous CPU step.
   step_report step();
-  // Steps 1 and 2 of step() alone: the first selection when it is due, and
-  // the device's update of the columns it owns with this step's gradient.
+  // Steps 1 and 2 of step() alone: the first selection when it is due, the
+  // columns of a refresh chosen a window ago joining the device when this
+  // step ends the window (a fixed update_interval; it waits for the CPU
+  // step that staged them, as apply_previous_window() does), and the
+  // device's update of the columns it owns with this step's gradient.
   // step() calls it itself when the trainer has not. A trainer that overlaps
   // the host's part of a step with the next forward calls update_device()
   // once the backward is done, launches the next forward (unless
@@ -262,8 +268,10 @@ class engine {
   // buffer, as the next backward writes its own).
   void update_device();
   // Whether the next step() may change what the device computes with, so
-  // the next forward has to wait for it: a window end at which columns
-  // change sides (a refresh decided a window earlier), a warm-up step or a step without overlap_step that ends a window
+  // the next forward has to wait for it: with update_interval "auto", a
+  // window end at which columns change sides (a refresh chosen a window
+  // earlier; with a fixed interval update_device() moves them), a warm-up
+  // step or a step without overlap_step that ends a window
   // (its CPU step is applied at once), or a window boundary whose previous
   // window apply_previous_window() has not applied yet. With
   // update_interval "auto" any step may end a window, and answers as one.
@@ -327,7 +335,8 @@ class engine {
   std::vector<std::vector<std::uint32_t>> choose_selection();
   void make_first_selection();
   void decide_selection(window& win);
-  void hand_over_decided(window& win);
+  void enter_decided(window& win);
+  void leave_decided(window& win);
   void drop_decided();
   column_state cross(window& win, std::size_t w, const selection_change& change, column_state& entering);
   column_state pack(std::size_t w, std::span<const std::uint32_t> columns, const host_buffers& buffers) const;
@@ -367,12 +376,15 @@ class engine {
   // per weight, the selection it makes; the window whose CPU step copies
   // the entering columns' state out.
   std::vector<std::vector<std::uint32_t>> decided_;
-  window* decided_by_ = nullptr;
+  window* decided_by_ = nullptr;  // set until the entering columns have crossed
+  bool entered_ = false;          // they have, and the leaving ones are still to cross
   // update_device() ran for the step about to run: whether it made the first
   // selection, and how long it took (both go into the step's report).
   bool device_updated_ = false;
   bool first_selection_ = false;
-  std::chrono::nanoseconds device_update_time_{0};
+  bool entered_now_ = false;                        // columns chosen a window ago entered the device
+  std::chrono::nanoseconds device_update_time_{0};  // not counting device_update_wait_
+  std::chrono::nanoseconds device_update_wait_{0};  // for the CPU step that staged them
 
   // The CPU step in flight: at most one (staleness ≤ one window).
   mutex mutex_;
