@@ -233,7 +233,9 @@ struct muon_optimizer::workspace {
   }
 };
 
-muon_optimizer::muon_optimizer(const muon_options& options) : options_(options) {
+namespace {
+
+void validate(const muon_options& options) {
   detail::require_finite_at_least(options.lr, 0.0f, "lr");
   detail::require_finite_at_least(options.weight_decay, 0.0f, "weight_decay");
   detail::require_unit_interval(options.momentum, "momentum");
@@ -243,7 +245,18 @@ muon_optimizer::muon_optimizer(const muon_options& options) : options_(options) 
   detail::require(std::isfinite(options.ns_a) && std::isfinite(options.ns_b) && std::isfinite(options.ns_c),
                   "ns_coefficients", "must be finite");
   detail::require_dtype(options.gemm_dtype, "gemm_dtype", true, true, false);
+}
+
+}  // namespace
+
+muon_optimizer::muon_optimizer(const muon_options& options) : options_(options) {
+  validate(options);
   ws_ = std::make_unique<workspace>();
+}
+
+void muon_optimizer::set_options(const muon_options& options) {
+  validate(options);
+  options_ = options;
 }
 
 muon_optimizer::~muon_optimizer() = default;
@@ -252,8 +265,12 @@ muon_optimizer& muon_optimizer::operator=(muon_optimizer&&) noexcept = default;
 
 float muon_optimizer::adjusted_lr(const muon_options& o, std::size_t rows, std::size_t cols) {
   const double r = static_cast<double>(rows), c = static_cast<double>(cols);
-  const double ratio = o.adjust_lr == lr_adjustment::original ? std::sqrt(std::max(1.0, r / c))
-                                                              : 0.2 * std::sqrt(std::max(r, c));
+  double ratio = 1.0;
+  switch (o.adjust_lr) {
+    case lr_adjustment::original: ratio = std::sqrt(std::max(1.0, r / c)); break;
+    case lr_adjustment::match_rms_adamw: ratio = 0.2 * std::sqrt(std::max(r, c)); break;
+    case lr_adjustment::spectral_unclamped: ratio = std::sqrt(r / c); break;
+  }
   return static_cast<float>(static_cast<double>(o.lr) * ratio);
 }
 

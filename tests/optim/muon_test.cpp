@@ -81,7 +81,8 @@ TEST(muon, step_matches_reference_for_each_momentum_form) {
   const std::size_t rows = 48, cols = 20;
   for (auto form : {muon_momentum::ema, muon_momentum::sgd}) {
     for (auto nest : {nesterov::on, nesterov::off}) {
-      for (auto adjust : {lr_adjustment::original, lr_adjustment::match_rms_adamw}) {
+      for (auto adjust : {lr_adjustment::original, lr_adjustment::match_rms_adamw,
+                          lr_adjustment::spectral_unclamped}) {
         muon_options o{.lr = 0.02f, .weight_decay = 0.1f, .momentum = 0.9f, .nesterov = nest,
                        .momentum_form = form, .adjust_lr = adjust, .gemm_dtype = dtype::fp32};
         muon_optimizer opt(o);
@@ -108,7 +109,8 @@ TEST(muon, step_matches_reference_for_each_momentum_form) {
           }
         }
         const matrix o_ns = reference_ns(u, rows, cols, o);
-        const double lr = adjust == lr_adjustment::original ? 0.02 * std::sqrt(48.0 / 20.0) : 0.02 * 0.2 * std::sqrt(48.0);
+        const double lr = adjust == lr_adjustment::match_rms_adamw ? 0.02 * 0.2 * std::sqrt(48.0)
+                                                                   : 0.02 * std::sqrt(48.0 / 20.0);
         EXPECT_NEAR(muon_optimizer::adjusted_lr(o, rows, cols), lr, 1e-6);
         for (std::size_t i = 0; i < rp.size(); ++i) rp[i] = rp[i] * (1 - 0.02 * 0.1) - lr * o_ns[i];
         EXPECT_LT(max_abs_diff(buf, rbuf), 1e-6);
@@ -117,6 +119,45 @@ TEST(muon, step_matches_reference_for_each_momentum_form) {
       }
     }
   }
+}
+
+TEST(muon, adjusted_lr_follows_each_rule_on_wide_and_tall_matrices) {
+  muon_options o{.lr = 0.01f};
+  // original clamps the ratio at 1 for a wide matrix; spectral_unclamped does not.
+  const double tall = std::sqrt(48.0 / 20.0), wide = std::sqrt(20.0 / 48.0);
+  o.adjust_lr = lr_adjustment::original;
+  EXPECT_NEAR(muon_optimizer::adjusted_lr(o, 48, 20), 0.01 * tall, 1e-9);
+  EXPECT_NEAR(muon_optimizer::adjusted_lr(o, 20, 48), 0.01, 1e-9);
+  o.adjust_lr = lr_adjustment::spectral_unclamped;
+  EXPECT_NEAR(muon_optimizer::adjusted_lr(o, 48, 20), 0.01 * tall, 1e-9);
+  EXPECT_NEAR(muon_optimizer::adjusted_lr(o, 20, 48), 0.01 * wide, 1e-9);
+  o.adjust_lr = lr_adjustment::match_rms_adamw;
+  EXPECT_NEAR(muon_optimizer::adjusted_lr(o, 20, 48), 0.01 * 0.2 * std::sqrt(48.0), 1e-9);
+}
+
+TEST(muon, set_options_steps_as_a_new_optimizer_would_and_refuses_bad_values) {
+  const std::size_t rows = 24, cols = 40;
+  const std::vector<float> g = test::normal_values(rows * cols, 5);
+  const muon_options first{.lr = 0.02f, .gemm_dtype = dtype::fp32};
+  const muon_options second{.lr = 0.005f, .weight_decay = 0.0f, .momentum = 0.8f, .nesterov = nesterov::off,
+                            .adjust_lr = lr_adjustment::spectral_unclamped, .gemm_dtype = dtype::bf16};
+  executor ex(2);
+  muon_optimizer reused(first), fresh(second);
+  std::vector<float> p1 = test::normal_values(rows * cols, 1), b1(rows * cols, 0.0f);
+  std::vector<float> p2 = p1, b2 = b1;
+  reused.step(ex, {p1, fp32_ref(std::span<const float>(g)), b1, rows, cols, {}});  // plans and buffers made
+  p1 = p2;
+  b1 = b2;
+  reused.set_options(second);
+  EXPECT_EQ(reused.options().adjust_lr, lr_adjustment::spectral_unclamped);
+  reused.step(ex, {p1, fp32_ref(std::span<const float>(g)), b1, rows, cols, {}});
+  fresh.step(ex, {p2, fp32_ref(std::span<const float>(g)), b2, rows, cols, {}});
+  EXPECT_EQ(p1, p2);
+  EXPECT_EQ(b1, b2);
+
+  EXPECT_THROW(reused.set_options({.momentum = 1.5f}), user_error);
+  EXPECT_THROW(reused.set_options({.gemm_dtype = dtype::fp16}), user_error);
+  EXPECT_EQ(reused.options().lr, second.lr);  // the old options stay
 }
 
 TEST(muon, bf16_gradient_and_default_bf16_gemms) {

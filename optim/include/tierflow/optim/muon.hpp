@@ -29,8 +29,9 @@ namespace tierflow::optim {
 enum class muon_momentum { ema, sgd };
 enum class nesterov { off, on };
 enum class lr_adjustment {
-  original,         // lr · sqrt(max(1, rows / cols))   (torch's default)
-  match_rms_adamw,  // lr · 0.2 · sqrt(max(rows, cols))  (Moonshot)
+  original,            // lr · sqrt(max(1, rows / cols))   (torch's default)
+  match_rms_adamw,     // lr · 0.2 · sqrt(max(rows, cols))  (Moonshot)
+  spectral_unclamped,  // lr · sqrt(rows / cols)            (Bernstein)
 };
 
 struct muon_options {
@@ -73,6 +74,12 @@ class muon_optimizer {
   muon_optimizer& operator=(muon_optimizer&&) noexcept;
 
   const muon_options& options() const noexcept { return options_; }
+
+  // Replaces the hyper-parameters (checked as the constructor checks them;
+  // on a throw the old ones stay) and keeps the workspace: a stream of steps
+  // whose learning rate or per-group settings change from one matrix to the
+  // next reuses its buffers and GEMM plans.
+  void set_options(const muon_options& options);
 
   // One step for one matrix. Validates first and throws user_error (nothing
   // written) for a shape that does not match the spans, null or misaligned
