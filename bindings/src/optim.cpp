@@ -1,5 +1,6 @@
-// The CPU optimizers' steps over tensors handed in as DLPack views: torch
-// tensors (or NumPy arrays) are read and written where they are, never copied.
+// The executor the CPU optimizers run on and Adam/AdamW's step over tensors
+// handed in as DLPack views (arrays.hpp): read and written where they are,
+// never copied.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -12,6 +13,7 @@
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
+#include "arrays.hpp"
 #include "bindings.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/optim/adam.hpp"
@@ -22,26 +24,6 @@ using namespace nb::literals;
 
 namespace tierflow::python {
 namespace {
-
-// A C-contiguous CPU buffer of any dtype; the dtype is checked by the step.
-using buffer = nb::ndarray<nb::device::cpu, nb::c_contig>;
-using const_buffer = nb::ndarray<nb::ro, nb::device::cpu, nb::c_contig>;
-
-template <class Array>
-dtype element_type(const Array& a, std::string_view what) {
-  const nb::dlpack::dtype t = a.dtype();
-  if (t == nb::dtype<float>()) return dtype::fp32;
-  if (t.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) && t.bits == 16 && t.lanes == 1)
-    return dtype::bf16;
-  if (t.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && t.bits == 16 && t.lanes == 1)
-    return dtype::fp16;
-  throw user_error(std::string(what) + ": float32, bfloat16 or float16 expected (DLPack code " +
-                   std::to_string(t.code) + ", " + std::to_string(t.bits) + " bits)");
-}
-
-optim::tensor_ref view_of(buffer& a, std::string_view what) {
-  return {a.data(), a.size(), element_type(a, what)};
-}
 
 // One Adam/AdamW step on one parameter's buffers; see the docstring below.
 bool adam_step(optim::executor& ex, buffer param, const_buffer grad, buffer exp_avg,
@@ -60,7 +42,7 @@ bool adam_step(optim::executor& ex, buffer param, const_buffer grad, buffer exp_
 
   optim::adam_sub_group group{
       .param = {static_cast<float*>(param.data()), param.size()},
-      .grad = {grad.data(), grad.size(), element_type(grad, "grad")},
+      .grad = view_of(grad, "grad"),
       .exp_avg = view_of(exp_avg, "exp_avg"),
       .exp_avg_sq = view_of(exp_avg_sq, "exp_avg_sq"),
       .max_exp_avg_sq = max_exp_avg_sq ? view_of(*max_exp_avg_sq, "max_exp_avg_sq") : optim::tensor_ref{},
