@@ -282,27 +282,40 @@ void require_shape(std::size_t rows, std::size_t cols) {
 }
 
 // Sizes the OpenMP team (oneDNN's threads and the element loops here) to
-// the executor, and pins its pool threads to the executor's CPUs as the
-// executor pins its oneTBB threads: team thread t > 0 on cpus[t mod size].
-// Thread 0 is the caller, whose placement is the caller's.
-void use_threads(executor& ex) {
-  omp_set_num_threads(ex.threads());
-  const std::vector<int>& cpus = ex.cpus();
-  if (cpus.empty() || ex.threads() < 2) return;
+// the executor for the guard's lifetime, and pins its pool threads to the
+// executor's CPUs as the executor pins its oneTBB threads: team thread t > 0
+// on cpus[t mod size]. Thread 0 is the caller, whose placement is the
+// caller's. The team size is a setting of the calling thread in a runtime
+// the whole process shares (inside PyTorch, libgomp is torch's intra-op
+// pool too), so the caller's own size is given back at the end: left
+// behind, the executor's would become the caller's thread count.
+class omp_team {
+ public:
+  explicit omp_team(executor& ex) : caller_threads_(omp_get_max_threads()) {
+    omp_set_num_threads(ex.threads());
+    const std::vector<int>& cpus = ex.cpus();
+    if (cpus.empty() || ex.threads() < 2) return;
 #pragma omp parallel
-  {
-    const int t = omp_get_thread_num();
-    if (t > 0) {
-      const int cpu = cpus[static_cast<std::size_t>(t) % cpus.size()];
-      try {
-        pin_current_thread(std::span(&cpu, 1));
-      } catch (const std::exception&) {
-        // The executor checked these CPUs; a refusal now leaves the thread
-        // where it was, which is slower but correct.
+    {
+      const int t = omp_get_thread_num();
+      if (t > 0) {
+        const int cpu = cpus[static_cast<std::size_t>(t) % cpus.size()];
+        try {
+          pin_current_thread(std::span(&cpu, 1));
+        } catch (const std::exception&) {
+          // The executor checked these CPUs; a refusal now leaves the thread
+          // where it was, which is slower but correct.
+        }
       }
     }
   }
-}
+  ~omp_team() { omp_set_num_threads(caller_threads_); }
+  omp_team(const omp_team&) = delete;
+  omp_team& operator=(const omp_team&) = delete;
+
+ private:
+  int caller_threads_;
+};
 
 }  // namespace
 
@@ -312,7 +325,7 @@ void muon_optimizer::orthogonalize_into(executor& ex, const float* in, std::size
                                         std::size_t cols, float* out) {
   workspace& ws = *ws_;
   const muon_options& o = options_;
-  use_threads(ex);
+  const omp_team team(ex);
   const dtype gemm = o.gemm_dtype;
   ws.reserve(rows, cols, gemm);
   const bool tall = rows > cols;
@@ -374,7 +387,7 @@ void muon_optimizer::orthogonalize(executor& ex, std::span<const float> in, std:
 
 void muon_optimizer::run_gemms_only(executor& ex, std::size_t rows, std::size_t cols) {
   require_shape(rows, cols);
-  use_threads(ex);
+  const omp_team team(ex);
   ws_->reserve(rows, cols, options_.gemm_dtype);
   const std::size_t m = std::min(rows, cols), n = std::max(rows, cols);
   const ns_plan& p = ws_->plan(m, n, options_.gemm_dtype);
@@ -396,7 +409,7 @@ void muon_optimizer::step(executor& ex, const muon_matrix& mat, float grad_scale
   }
   detail::require_grad_scale(grad_scale);
 
-  use_threads(ex);
+  const omp_team team(ex);
   workspace& ws = *ws_;
   ws.reserve(mat.rows, mat.cols, o.gemm_dtype);
   float* u = ws.u.data();

@@ -6,6 +6,8 @@
 #include <limits>
 #include <vector>
 
+#include <omp.h>
+
 #include "reference.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/optim/grouping.hpp"
@@ -158,6 +160,21 @@ TEST(muon, set_options_steps_as_a_new_optimizer_would_and_refuses_bad_values) {
   EXPECT_THROW(reused.set_options({.momentum = 1.5f}), user_error);
   EXPECT_THROW(reused.set_options({.gemm_dtype = dtype::fp16}), user_error);
   EXPECT_EQ(reused.options().lr, second.lr);  // the old options stay
+}
+
+TEST(muon, a_step_gives_the_caller_its_openmp_team_size_back) {
+  // Inside PyTorch the OpenMP runtime is torch's intra-op pool as well: a
+  // one-thread step must not leave the caller with one thread.
+  const int before = omp_get_max_threads();
+  omp_set_num_threads(3);
+  muon_optimizer opt(muon_options{.gemm_dtype = dtype::fp32});
+  executor ex(1);
+  const std::size_t rows = 16, cols = 8;
+  std::vector<float> p(rows * cols, 1.0f), buf(rows * cols, 0.0f);
+  const std::vector<float> g = test::normal_values(rows * cols, 6);
+  opt.step(ex, {p, fp32_ref(std::span<const float>(g)), buf, rows, cols, {}});
+  EXPECT_EQ(omp_get_max_threads(), 3);
+  omp_set_num_threads(before);
 }
 
 TEST(muon, bf16_gradient_and_default_bf16_gemms) {
