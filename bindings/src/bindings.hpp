@@ -16,6 +16,9 @@ void bind_info(nanobind::module_& m);
 // Executor, simd_targets(), adam_step(), address_of().
 void bind_optim(nanobind::module_& m);
 
+// MuonWorkspace, muon_step(), group_parameters().
+void bind_muon(nanobind::module_& m);
+
 // Store: tiers with budgets and the blocks homed in them.
 void bind_store(nanobind::module_& m);
 

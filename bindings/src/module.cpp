@@ -11,5 +11,6 @@ NB_MODULE(_core, m) {
   tierflow::python::register_errors(m);
   tierflow::python::bind_info(m);
   tierflow::python::bind_optim(m);
+  tierflow::python::bind_muon(m);
   tierflow::python::bind_store(m);
 }

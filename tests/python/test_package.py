@@ -29,6 +29,7 @@ def test_the_stubs_and_the_typed_marker_ship_with_the_package():
     package = pathlib.Path(tierflow.__file__).parent
     stub = (package / "_core.pyi").read_text()
     assert "def adam_step(" in stub and "class Store" in stub and "def info(" in stub
+    assert "def muon_step(" in stub and "class MuonWorkspace" in stub and "def group_parameters(" in stub
     assert (package / "py.typed").exists()
 
 
