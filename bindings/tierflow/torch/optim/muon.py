@@ -1,0 +1,350 @@
+"""Muon for torch whose step runs in tierflow's C++ kernel.
+
+:class:`Muon` is a ``torch.optim.Optimizer`` subclass with torch.optim.Muon's
+signature, defaults, validation and state layout, so LR schedulers,
+``torch.amp.GradScaler`` and checkpoint tools treat it as torch's own, and
+state_dicts load both ways between it and torch.optim.Muon.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import Optimizer, ParamsT
+
+from tierflow import _core
+from tierflow.torch.optim.adam import _LOW_PRECISION, MASTER_KEY, _kernel_view, _master_of, _scalar
+
+__all__ = ["Muon", "muon"]
+
+# torch.optim.Muon's defaults (Keller Jordan's constants).
+_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+_ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral_unclamped")
+_NS_DTYPES = (torch.bfloat16, torch.float32)
+# The state a bf16/fp16 parameter keeps in fp32 (MASTER_KEY is the fp32 copy
+# the kernel updates; the parameter is written from it in the same pass).
+_FP32_STATE = (MASTER_KEY, "momentum_buffer")
+
+
+def _check_hyper_parameters(lr, weight_decay, momentum, ns_coefficients, eps, ns_steps,
+                            adjust_lr_fn) -> None:
+    """torch.optim.Muon's checks, worded as torch words them (those torch makes
+    only at its first step are made here), then tierflow's own for values
+    torch lets through that the kernel refuses."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+    if not 0.0 <= momentum:
+        raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
+    if adjust_lr_fn is not None and adjust_lr_fn not in _ADJUST_LR_FNS:
+        raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+    if len(ns_coefficients) != 3:
+        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    if not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or ns_steps < 0:
+        raise ValueError(f"ns_steps should be an int >= 0 but is: {ns_steps!r}")
+    if ns_steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    # torch accepts these, to no meaning: a momentum of 1 or more never lets the
+    # gradient in (or extrapolates), eps = 0 divides a zero update by zero.
+    if not momentum < 1.0:
+        raise ValueError(f"momentum should be < 1 but is: {momentum}")
+    if not eps > 0.0:
+        raise ValueError(f"eps should be > 0 but is: {eps}")
+    for name, value in (("Learning rate", lr), ("weight decay", weight_decay), ("eps", eps)):
+        if not math.isfinite(_scalar(value)):
+            raise ValueError(f"{name} should be finite but is: {value}")
+    if not all(math.isfinite(float(c)) for c in ns_coefficients):
+        raise ValueError(f"ns_coefficients should be finite but are: {tuple(ns_coefficients)}")
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    """Refuses parameters the kernel does not step: Muon's 2-D rule in torch's
+    words, then the CPU and the dtypes."""
+    for i, p in enumerate(group["params"]):
+        if p.ndim != 2:
+            raise ValueError(
+                f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()}"
+            )
+        if p.device.type != "cpu":
+            raise ValueError(
+                f"params[{i}] is on {p.device}: this version steps parameters on the CPU only"
+            )
+        if p.dtype not in (torch.float32, *_LOW_PRECISION):
+            raise ValueError(
+                f"params[{i}] is {p.dtype}: float32, bfloat16 or float16 parameters expected"
+            )
+
+
+def muon(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    masters: list[Tensor | None],
+    *,
+    executor: _core.Executor,
+    workspace: _core.MuonWorkspace | None,
+    lr: float | Tensor,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_coefficients: tuple[float, float, float],
+    eps: float,
+    ns_steps: int,
+    adjust_lr_fn: str | None,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """One Muon step over 2-D parameters and their momentum buffers, in place.
+
+    Each matrix is updated by one call of tierflow's kernel on ``executor``'s
+    threads (``_core.muon_step``), reading and writing the tensors where they
+    are (no copy; the GIL is released meanwhile); ``workspace`` keeps its
+    Newton–Schulz buffers between matrices and steps. ``masters[i]``, when not
+    None, is the fp32 copy of a bf16/fp16 ``params[i]``: the kernel updates it
+    and writes ``params[i]`` from it in the same pass. ``ns_dtype`` is the
+    Newton–Schulz GEMMs' precision: torch.bfloat16 as torch.optim.Muon, or
+    torch.float32.
+    """
+    lr, weight_decay, momentum = _scalar(lr), _scalar(weight_decay), _scalar(momentum)
+    a, b, c = (float(x) for x in ns_coefficients)
+    gemm = str(ns_dtype).removeprefix("torch.")
+    for i, param in enumerate(params):
+        grad = grads[i]
+        if grad.ndim != 2:
+            raise ValueError("Param gradient must be a 2D matrix")
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        master = masters[i]
+        target = param if master is None else master
+        # A non-contiguous fp32 parameter (a transposed view) is stepped in a
+        # contiguous copy of the same rows x cols and written back: the kernel
+        # walks one row-major buffer.
+        work = target if target.is_contiguous() else target.contiguous()
+        copy = None
+        if master is not None:
+            copy = param if param.is_contiguous() else torch.empty_like(param, memory_format=torch.contiguous_format)
+        rows, cols = param.shape
+        _core.muon_step(
+            executor,
+            _kernel_view(work),
+            _kernel_view(grad),
+            _kernel_view(momentum_buffers[i]),
+            None if copy is None else _kernel_view(copy),
+            rows=rows,
+            cols=cols,
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=bool(nesterov),
+            ns_coefficients=(a, b, c),
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            ns_dtype=gemm,
+            workspace=workspace,
+        )
+        if work is not target:
+            target.copy_(work)
+        if copy is not None and copy is not param:
+            param.copy_(copy)
+
+
+class Muon(Optimizer):
+    r"""torch.optim.Muon with its step in tierflow's C++ kernel.
+
+    The update, for each 2-D parameter :math:`\theta` (``rows`` x ``cols``)
+    with gradient :math:`g`:
+
+    .. math::
+        B &\leftarrow B + (1-\mu)(g - B)
+            \quad\text{(torch's } B.\mathrm{lerp}(g, 1-\mu)\text{)} \\
+        U &= g + \mu (B - g) \text{ with nesterov, else } B \\
+        O &= \mathrm{NS}^{(a,b,c)}_{k}(U;\ \varepsilon) \\
+        \theta &\leftarrow \theta (1 - \gamma\lambda) - \mathrm{AdjustLR}(\gamma)\, O
+
+    NS transposes a tall :math:`U`, divides it by
+    :math:`\max(\lVert U\rVert_F, \varepsilon)`, then :math:`k` times computes
+    :math:`A = XX^\top`, :math:`X \leftarrow aX + (bA + cA^2)X`.
+    AdjustLR is ``adjust_lr_fn``'s rule: None or ``"original"``
+    :math:`\gamma\sqrt{\max(1, rows/cols)}`; ``"match_rms_adamw"``
+    :math:`0.2\gamma\sqrt{\max(rows, cols)}` (reuse AdamW's lr and weight
+    decay); ``"spectral_unclamped"`` :math:`\gamma\sqrt{rows/cols}`.
+
+    Arguments are torch.optim.Muon's, with its defaults and error messages
+    (``lr`` may be a 1-element tensor). torch checks ``ns_coefficients`` and
+    ``ns_steps`` at its first step; tierflow at construction. tierflow also
+    refuses, with ValueError, what torch lets through to no meaning:
+    ``momentum >= 1``, ``eps <= 0``, ``ns_steps < 0`` and non-finite values.
+    tierflow's own arguments:
+
+    * ``ns_dtype``: the precision of the Newton–Schulz GEMMs.
+      ``torch.bfloat16`` (default) rounds their operands to bf16 as
+      torch.optim.Muon does; ``torch.float32`` keeps them in fp32 (closer to
+      the exact iteration, slower where the CPU has bf16 matrix units).
+    * ``threads``: the CPU threads of the step; default
+      ``torch.get_num_threads()``. The step runs between torch's operations,
+      on the OpenMP runtime torch's intra-op threads use, and gives torch its
+      own thread count back afterwards.
+
+    Muon is for the hidden layers' matrices: every parameter must be 2-D (else
+    ValueError, as torch), on the CPU, float32, bfloat16 or float16; it is
+    updated in place. Give embeddings, the output head, norms and biases to
+    AdamW. A bfloat16/float16
+    parameter gets an fp32 master copy in its state under ``"master_param"``
+    (and an fp32 momentum buffer): the kernel updates the master and writes the
+    parameter from it in the same pass. The state is torch's:
+    ``momentum_buffer`` per parameter, so a state_dict loads into
+    torch.optim.Muon and one from it loads here (a torch buffer of a
+    low-precision parameter is widened to fp32, the master made from the
+    parameter).
+
+    Example::
+
+        hidden = [p for p in model.parameters() if p.ndim == 2]
+        rest = [p for p in model.parameters() if p.ndim != 2]
+        opt_muon = tierflow.torch.optim.Muon(hidden, lr=0.02)
+        opt_adamw = tierflow.torch.optim.AdamW(rest, lr=3e-4, weight_decay=0.01)
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = _NS_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        threads: int | None = None,
+    ) -> None:
+        _check_hyper_parameters(lr, weight_decay, momentum, ns_coefficients, eps, ns_steps, adjust_lr_fn)
+        if ns_dtype not in _NS_DTYPES:
+            raise ValueError(f"Invalid ns_dtype: {ns_dtype} (torch.bfloat16 or torch.float32)")
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"Invalid threads: {threads!r} (a positive int, or None)")
+        self.ns_dtype = ns_dtype
+        self.threads = threads if threads is not None else torch.get_num_threads()
+        self._executor = _core.Executor(self.threads)
+        self._workspace = _core.MuonWorkspace()
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients,
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+        }
+        super().__init__(params, defaults)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["tierflow"] = {"ns_dtype": self.ns_dtype, "threads": self.threads}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        own = state.pop("tierflow", None)
+        super().__setstate__(state)
+        if own is not None:  # unpickled or deep-copied: the executor and workspace are made again
+            self.ns_dtype, self.threads = own["ns_dtype"], own["threads"]
+            self._executor = _core.Executor(self.threads)
+            self._workspace = _core.MuonWorkspace()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, and then the group's hyper-parameters and parameters are
+        checked as the constructor checks them (a refused group is not added)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_hyper_parameters(group["lr"], group["weight_decay"], group["momentum"],
+                                    group["ns_coefficients"], group["eps"], group["ns_steps"],
+                                    group["adjust_lr_fn"])
+            _check_group(group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, except that the fp32 master and momentum buffer of a
+        bf16/fp16 parameter stay fp32 (torch's load casts every state tensor to
+        its parameter's dtype). A master that does not round to the parameter
+        was carried, untouched, through an optimizer that updated the parameter
+        alone (torch.optim's): it is made again from the parameter."""
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id)
+            if p.dtype not in _LOW_PRECISION or saved is None:
+                continue
+            state = self.state[p]
+            for key in _FP32_STATE:
+                if torch.is_tensor(saved.get(key)):
+                    state[key] = saved[key].to(device="cpu", dtype=torch.float32, copy=True)
+            master = state.get(MASTER_KEY)
+            if master is not None and not torch.equal(master.to(p.dtype), p.detach()):
+                state[MASTER_KEY] = _master_of(p)
+        for group in self.param_groups:
+            _check_group(group)
+
+    def _init_group(self, group: dict[str, Any]):
+        params, grads, momentum_buffers, masters = [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if torch.is_complex(p):
+                raise RuntimeError("Muon does not support complex parameters")
+            if p.grad.is_sparse:
+                raise RuntimeError("Muon does not support sparse gradients")
+            state = self.state[p]
+            low_precision = p.dtype in _LOW_PRECISION
+            if low_precision and MASTER_KEY not in state:  # new, or a torch state_dict's state
+                state[MASTER_KEY] = _master_of(p)
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                state["momentum_buffer"] = torch.zeros_like(
+                    p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            elif buf.dtype != torch.float32 or not buf.is_contiguous():
+                state["momentum_buffer"] = buf.to(torch.float32, memory_format=torch.contiguous_format)
+            params.append(p)
+            grads.append(p.grad)
+            momentum_buffers.append(state["momentum_buffer"])
+            masters.append(state[MASTER_KEY] if low_precision else None)
+        return params, grads, momentum_buffers, masters
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One step over every parameter that has a gradient; returns the
+        closure's loss when a closure is given (evaluated with grad enabled)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            _check_group(group)
+            params, grads, momentum_buffers, masters = self._init_group(group)
+            muon(
+                params, grads, momentum_buffers, masters,
+                executor=self._executor,
+                workspace=self._workspace,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+                ns_coefficients=group["ns_coefficients"],
+                eps=group["eps"],
+                ns_steps=group["ns_steps"],
+                adjust_lr_fn=group["adjust_lr_fn"],
+                ns_dtype=self.ns_dtype,
+            )
+        return loss
