@@ -1,5 +1,5 @@
 """tierflow.torch.optim.Muon against torch.optim.Muon on the same model, data
-and seed, and the kernel binding under it.
+and seed, the kernel binding under it, and muon_param_groups' split.
 
 Two comparisons, because torch.optim.Muon runs Newton–Schulz in bf16:
 
@@ -32,7 +32,7 @@ import torch
 import torch.optim._muon as torch_muon
 
 import tierflow
-from tierflow.torch.optim import MASTER_KEY, Muon
+from tierflow.torch.optim import MASTER_KEY, AdamW, Muon, muon_param_groups
 
 STEPS = 50
 LR = 0.02
@@ -544,3 +544,75 @@ def test_the_kernel_call_names_a_bad_argument_and_writes_nothing(change, name):
                                  args.pop("param_copy"), **args)
     p, buf = (change.get("param", before[0]), change.get("momentum_buffer", before[1]))
     assert torch.equal(p, before[0]) and torch.equal(buf, before[1])
+
+
+class TinyGPT(torch.nn.Module):
+    """A GPT-shaped module: token and position embeddings, two pre-norm blocks
+    (attention's qkv and projection, an MLP, biases and LayerNorms), a final
+    norm and an LM head tied to the token embedding, which is named `tok` (no
+    embedding marker): only the head's own name says what the tensor is."""
+
+    def __init__(self, vocab=64, width=32, context=16):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, width)
+        self.wpe = torch.nn.Embedding(context, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "ln_1": torch.nn.LayerNorm(width),
+            "qkv": torch.nn.Linear(width, 3 * width),
+            "proj": torch.nn.Linear(width, width),
+            "ln_2": torch.nn.LayerNorm(width),
+            "fc": torch.nn.Linear(width, 4 * width),
+            "fc_out": torch.nn.Linear(4 * width, width)}) for _ in range(2))
+        self.ln_f = torch.nn.LayerNorm(width)
+        self.lm_head = torch.nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.tok.weight
+
+    def forward(self, idx):
+        h = self.tok(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            q, k, v = b["qkv"](b["ln_1"](h)).chunk(3, dim=-1)
+            h = h + b["proj"](torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+            h = h + b["fc_out"](torch.nn.functional.gelu(b["fc"](b["ln_2"](h))))
+        return self.lm_head(self.ln_f(h))
+
+
+def test_muon_param_groups_splits_a_gpt_by_the_engines_rule():
+    torch.manual_seed(5)
+    model = TinyGPT()
+    hidden, rest = muon_param_groups(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [names[id(p)] for p in hidden] == [
+        f"blocks.{i}.{m}.weight" for i in range(2) for m in ("qkv", "proj", "fc", "fc_out")]
+    assert [names[id(p)] for p in rest] == ["tok.weight", "wpe.weight"] + [
+        f"blocks.{i}.{m}" for i in range(2) for m in
+        ("ln_1.weight", "ln_1.bias", "qkv.bias", "proj.bias", "ln_2.weight", "ln_2.bias",
+         "fc.bias", "fc_out.bias")] + ["ln_f.weight", "ln_f.bias"]
+    # Every parameter once, the tied one included.
+    assert sorted(map(id, hidden + rest)) == sorted(id(p) for p in model.parameters())
+    # The rule is the C++ one, name by name; the tied tensor is AdamW's
+    # because one of its two names (lm_head) is a head's.
+    named = list(model.named_parameters(remove_duplicate=False))
+    muon_idx, adamw_idx = tierflow._core.group_parameters([(n, tuple(p.shape)) for n, p in named])
+    assert {named[i][0] for i in muon_idx} == {names[id(p)] for p in hidden} | {"tok.weight"}
+    assert "lm_head.weight" in {named[i][0] for i in adamw_idx}
+    # (name, parameter) pairs do as well; deduplicated pairs lose the head's name.
+    assert muon_param_groups(model.named_parameters(remove_duplicate=False)) == (hidden, rest)
+    assert model.tok.weight in muon_param_groups(model.named_parameters()).muon
+    with pytest.raises(ValueError, match="a module or \\(name, parameter\\) pairs"):
+        muon_param_groups(model.parameters())
+
+    # The split trains: Muon for the matrices, AdamW for the rest.
+    opt_muon, opt_adamw = Muon(hidden, lr=0.02), AdamW(rest, lr=3e-3)
+    g = torch.Generator().manual_seed(6)
+    idx = torch.randint(0, 64, (8, 16), generator=g)
+    losses = []
+    for _ in range(8):
+        opt_muon.zero_grad()
+        opt_adamw.zero_grad()
+        logits = model(idx[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), idx[:, 1:].reshape(-1))
+        loss.backward()
+        opt_muon.step()
+        opt_adamw.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0]

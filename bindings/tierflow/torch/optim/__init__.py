@@ -2,10 +2,11 @@
 
 :class:`Adam`, :class:`AdamW` and :class:`Muon` are drop-in replacements for
 torch.optim's, for parameters on the CPU (see their docstrings for what
-tierflow adds).
+tierflow adds); :func:`muon_param_groups` splits a model's parameters between
+Muon (hidden matrices) and AdamW (the rest) by the C++ engine's rule.
 """
 
 from tierflow.torch.optim.adam import MASTER_KEY, Adam, AdamW, adam
-from tierflow.torch.optim.muon import Muon, muon
+from tierflow.torch.optim.muon import Muon, MuonParamGroups, muon, muon_param_groups
 
-__all__ = ["Adam", "AdamW", "adam", "Muon", "muon", "MASTER_KEY"]
+__all__ = ["Adam", "AdamW", "adam", "Muon", "muon", "muon_param_groups", "MuonParamGroups", "MASTER_KEY"]

@@ -1,15 +1,18 @@
-"""Muon for torch whose step runs in tierflow's C++ kernel.
+"""Muon for torch whose step runs in tierflow's C++ kernel, and the split of a
+model's parameters between Muon and AdamW.
 
 :class:`Muon` is a ``torch.optim.Optimizer`` subclass with torch.optim.Muon's
 signature, defaults, validation and state layout, so LR schedulers,
 ``torch.amp.GradScaler`` and checkpoint tools treat it as torch's own, and
 state_dicts load both ways between it and torch.optim.Muon.
+:func:`muon_param_groups` splits a model by the C++ engine's own rule
+(optim/grouping.hpp): Muon for hidden matrices, AdamW for the rest.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -18,7 +21,7 @@ from torch.optim.optimizer import Optimizer, ParamsT
 from tierflow import _core
 from tierflow.torch.optim.adam import _LOW_PRECISION, MASTER_KEY, _kernel_view, _master_of, _scalar
 
-__all__ = ["Muon", "muon"]
+__all__ = ["Muon", "muon", "muon_param_groups", "MuonParamGroups"]
 
 # torch.optim.Muon's defaults (Keller Jordan's constants).
 _NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -194,7 +197,7 @@ class Muon(Optimizer):
     Muon is for the hidden layers' matrices: every parameter must be 2-D (else
     ValueError, as torch), on the CPU, float32, bfloat16 or float16; it is
     updated in place. Give embeddings, the output head, norms and biases to
-    AdamW. A bfloat16/float16
+    AdamW: :func:`muon_param_groups` splits a model so. A bfloat16/float16
     parameter gets an fp32 master copy in its state under ``"master_param"``
     (and an fp32 momentum buffer): the kernel updates the master and writes the
     parameter from it in the same pass. The state is torch's:
@@ -205,8 +208,7 @@ class Muon(Optimizer):
 
     Example::
 
-        hidden = [p for p in model.parameters() if p.ndim == 2]
-        rest = [p for p in model.parameters() if p.ndim != 2]
+        hidden, rest = muon_param_groups(model)
         opt_muon = tierflow.torch.optim.Muon(hidden, lr=0.02)
         opt_adamw = tierflow.torch.optim.AdamW(rest, lr=3e-4, weight_decay=0.01)
     """
@@ -348,3 +350,57 @@ class Muon(Optimizer):
                 ns_dtype=self.ns_dtype,
             )
         return loss
+
+
+class MuonParamGroups(NamedTuple):
+    """A model's parameters split for training with Muon: ``muon`` for
+    :class:`Muon`, ``adamw`` for AdamW. Unpacks as two lists."""
+
+    muon: list[Tensor]
+    adamw: list[Tensor]
+
+
+def muon_param_groups(
+    model_or_named_params: torch.nn.Module | Iterable[tuple[str, Tensor]],
+) -> MuonParamGroups:
+    """Splits parameters between Muon and AdamW by the rule tierflow's C++
+    engine applies (optim/grouping.hpp, called through the extension): Muon
+    takes a parameter of two dimensions, both > 1, whose dotted name has no
+    part marking an embedding or an output head (``embed``, ``embeddings``,
+    ``embed_tokens``, ``tok_embeddings``, ``wte``, ``wpe``, ``lm_head``,
+    ``head``, ``output``, ``classifier``, in any case); AdamW takes everything
+    else: embeddings, the head, norms, biases, convolutions.
+
+    Takes a module (every parameter, frozen ones too) or ``(name, parameter)``
+    pairs such as ``model.named_parameters()``. A tensor reached under several
+    names (an LM head tied to the embedding) appears once, in the order first
+    met, and goes to AdamW if any of its names says so: a module's parameters
+    are read with ``remove_duplicate=False`` so a tied head's name is seen even
+    where the embedding's name alone would not mark it.
+
+    Example::
+
+        hidden, rest = muon_param_groups(model)
+        opt_muon = Muon(hidden, lr=0.02)
+        opt_adamw = AdamW(rest, lr=3e-4)
+    """
+    if isinstance(model_or_named_params, torch.nn.Module):
+        named = list(model_or_named_params.named_parameters(remove_duplicate=False))
+    else:
+        named = list(model_or_named_params)
+        for item in named:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], Tensor)):
+                raise ValueError(
+                    f"muon_param_groups takes a module or (name, parameter) pairs, got {type(item).__name__}"
+                )
+    _, adamw_indices = _core.group_parameters([(name, tuple(p.shape)) for name, p in named])
+    to_adamw = {id(named[i][1]) for i in adamw_indices}
+    seen: set[int] = set()
+    groups = MuonParamGroups([], [])
+    for _, p in named:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        (groups.adamw if id(p) in to_adamw else groups.muon).append(p)
+    return groups
