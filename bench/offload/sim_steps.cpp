@@ -11,13 +11,17 @@
 // Bytes are counted as the CUDA path counts them.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <numbers>
 #include <thread>
 #include <utility>
 
 #include "offload/steps.hpp"
+#include "tierflow/core/affinity.hpp"
 #include "tierflow/core/assert.hpp"
+#include "tierflow/optim/executor.hpp"
+#include "tierflow/optim/gradients.hpp"
 
 namespace tierflow::bench {
 namespace {
@@ -67,15 +71,27 @@ double normal_of(std::uint64_t key) {
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
 }
 
+// bf16's bit pattern of x, rounded to nearest even (x finite).
+std::uint16_t bf16_bits(float x) {
+  std::uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return static_cast<std::uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 // ZenFlow's device side, simulated: no device memory, only time and bytes.
 // The gradient it hands down is a fixed random buffer, so the host's
-// accumulation reads real bytes.
+// accumulation reads real bytes: bf16, widened and added into the window on
+// one thread per CPU of the constructing thread (the trainer's), as
+// cuda_zenflow_device does with its downloads.
 class sim_zenflow_device final : public zenflow::device_side {
  public:
   sim_zenflow_device(const offload_plan& plan, pcie_direction& down, pcie_direction& up,
                      std::span<const float> gradient)
       : plan_(plan), model_(plan.options.device_model), down_(down), up_(up), gradient_(gradient),
+        host_threads_(static_cast<int>(current_affinity().size()), "auto", current_affinity()),
         selected_columns_(plan.chunks.size(), 0) {
+    gradient_bf16_.reserve(gradient.size());
+    for (const float g : gradient) gradient_bf16_.push_back(bf16_bits(g));
     // The first upload, as cuda_zenflow_device::initialize counts it: every
     // weight's compute copy (bf16) and the 1-D weights' fp32 masters.
     for (const auto& c : plan.chunks) up_.count(c.shape.elements() * (c.shape.matrix() ? 2 : 6));
@@ -113,6 +129,12 @@ class sim_zenflow_device final : public zenflow::device_side {
     const std::uint64_t n = plan_.chunks[w].shape.elements();
     arrive(down_.send(n * 2, backward_end_));  // bf16, the whole weight
     return gradient_.first(static_cast<std::size_t>(n));
+  }
+  bool accumulate_gradient(std::size_t w, std::span<const zenflow::column_run> runs, std::span<float> sum) override {
+    const zenflow::weight_shape& shape = plan_.chunks[w].shape;
+    arrive(down_.send(shape.elements() * 2, backward_end_));  // bf16, the whole weight
+    optim::accumulate_gradient(host_threads_, gradient_bf16_.data(), dtype::bf16, runs, shape.rows, sum);
+    return true;
   }
   void stage_upload(std::size_t w, std::span<const zenflow::column_run> runs, std::span<const float>) override {
     if (runs.empty()) return;
@@ -168,6 +190,8 @@ class sim_zenflow_device final : public zenflow::device_side {
   pcie_direction& down_;
   pcie_direction& up_;
   std::span<const float> gradient_;
+  std::vector<std::uint16_t> gradient_bf16_;  // the same values, as the device holds them
+  optim::executor host_threads_;
   std::uint64_t step_ = 0;
   clock::time_point backward_end_{};
   std::mutex mutex_;

@@ -20,6 +20,7 @@
 #include "../core/zenflow_test_support.hpp"
 #include "adam_element.hpp"
 #include "cuda/gradient_staging.hpp"
+#include "tierflow/optim/gradients.hpp"
 #include "reference.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/zenflow/engine.hpp"
@@ -116,7 +117,7 @@ TEST(zenflow_cuda_host, widening_on_threads_matches_a_scalar_loop) {
         for (const std::size_t n : odd_sizes) {
           test::typed_buffer src(type, test::normal_values(n, 7 + static_cast<unsigned>(n), 3.0f));
           std::vector<float> got(n + 1, -1.0f);  // one past the end: must stay
-          detail::widen_gradient(ex, src.data(), type, got.data(), n);
+          widen_gradient(ex, src.data(), type, got.data(), n);
           for (std::size_t i = 0; i < n; ++i)
             ASSERT_EQ(test::bits_of(got[i]), test::bits_of(src.at(i)))
                 << simd << ", " << threads << " threads, n " << n << ", element " << i;
@@ -150,7 +151,7 @@ TEST(zenflow_cuda_host, accumulation_over_runs_on_threads_matches_a_scalar_loop)
         std::vector<float> sum = test::normal_values(n, 3, 1.0f), want = sum;
         for (const zenflow::column_run r : sh.runs)
           for (std::uint64_t k = r.begin * sh.rows; k < r.end * sh.rows; ++k) want[k] += g.at(k);
-        detail::accumulate_gradient(ex, g.data(), type, sh.runs, sh.rows, sum);
+        accumulate_gradient(ex, g.data(), type, sh.runs, sh.rows, sum);
         for (std::size_t k = 0; k < n; ++k)
           ASSERT_EQ(test::bits_of(sum[k]), test::bits_of(want[k]))
               << threads << " threads, " << sh.rows << "x" << sh.cols << ", element " << k;

@@ -40,6 +40,7 @@
 #include <utility>
 
 #include "cuda/gradient_staging.hpp"
+#include "tierflow/optim/gradients.hpp"
 #include "cuda/zenflow_kernels.hpp"
 #include "kernels.hpp"
 #include "tierflow/core/affinity.hpp"
@@ -526,7 +527,7 @@ std::span<const float> cuda_zenflow_device::download_gradient(std::size_t w) {
     // Read in place: the slot stays taken until the next request.
     return {reinterpret_cast<const float*>(d.slot_data(slot)), n};
   }
-  detail::widen_gradient(*d.host_threads, d.slot_data(slot), d.options.grad_type, d.download_fp32.data(), n);
+  optim::widen_gradient(*d.host_threads, d.slot_data(slot), d.options.grad_type, d.download_fp32.data(), n);
   d.ring.release(slot);
   d.issue_downloads();
   return {d.download_fp32.data(), n};
@@ -547,7 +548,7 @@ bool cuda_zenflow_device::accumulate_gradient(std::size_t w, std::span<const zen
   d.require_gradient(w);
   const cuda_device_scope scope(d.options.device);
   const unsigned slot = d.fetch(w);
-  detail::accumulate_gradient(*d.host_threads, d.slot_data(slot), d.options.grad_type, runs, s.rows, sum);
+  optim::accumulate_gradient(*d.host_threads, d.slot_data(slot), d.options.grad_type, runs, s.rows, sum);
   d.ring.release(slot);
   d.issue_downloads();
   return true;
