@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <numbers>
 #include <thread>
@@ -98,9 +99,24 @@ class sim_zenflow_device final : public zenflow::device_side {
   }
 
   // The step whose gradient the device holds, and when its backward ends.
+  // As cuda_zenflow_device does once the gradients are ready, the downloads
+  // of the weights the host will add up start into its pinned slots, in the
+  // order the host asks for them, each later one once the host has read the
+  // one a slot's worth before it.
   void set_step(std::uint64_t step, clock::time_point backward_end) {
     step_ = step;
     backward_end_ = backward_end;
+    download_order_.clear();
+    downloads_.clear();
+    next_download_ = 0;
+    {
+      std::lock_guard lock(mutex_);
+      for (std::size_t w = 0; w < plan_.chunks.size(); ++w) {
+        const zenflow::weight_shape& shape = plan_.chunks[w].shape;
+        if (shape.matrix() && selected_columns_[w] < shape.cols) download_order_.push_back(w);
+      }
+    }
+    for (unsigned slot = 0; slot < download_slots; ++slot) issue_download();
   }
 
   // Column importances, log-normal: ln of a column's squared gradient norm
@@ -132,8 +148,15 @@ class sim_zenflow_device final : public zenflow::device_side {
   }
   bool accumulate_gradient(std::size_t w, std::span<const zenflow::column_run> runs, std::span<float> sum) override {
     const zenflow::weight_shape& shape = plan_.chunks[w].shape;
-    arrive(down_.send(shape.elements() * 2, backward_end_));  // bf16, the whole weight
+    const auto issued = downloads_.find(w);
+    if (issued == downloads_.end()) {
+      arrive(down_.send(shape.elements() * 2, backward_end_));  // asked out of order: fetched now
+    } else {
+      arrive(issued->second);
+      downloads_.erase(issued);
+    }
     optim::accumulate_gradient(host_threads_, gradient_bf16_.data(), dtype::bf16, runs, shape.rows, sum);
+    issue_download();  // its slot is free again
     return true;
   }
   void stage_upload(std::size_t w, std::span<const zenflow::column_run> runs, std::span<const float>) override {
@@ -170,6 +193,11 @@ class sim_zenflow_device final : public zenflow::device_side {
 
  private:
   static void arrive(clock::time_point when) { std::this_thread::sleep_until(when); }
+  void issue_download() {
+    if (next_download_ == download_order_.size()) return;
+    const std::size_t w = download_order_[next_download_++];
+    downloads_[w] = down_.send(plan_.chunks[w].shape.elements() * 2, backward_end_);  // bf16, the whole weight
+  }
   static std::uint64_t columns_in(std::span<const zenflow::column_run> runs) {
     std::uint64_t n = 0;
     for (const auto run : runs) n += run.end - run.begin;
@@ -194,6 +222,11 @@ class sim_zenflow_device final : public zenflow::device_side {
   optim::executor host_threads_;
   std::uint64_t step_ = 0;
   clock::time_point backward_end_{};
+  // This step's gradient downloads: the host's order, and when each issued one arrives.
+  static constexpr unsigned download_slots = 2;  // as cuda_zenflow_device's pinned slots
+  std::vector<std::size_t> download_order_;
+  std::size_t next_download_ = 0;
+  std::map<std::size_t, clock::time_point> downloads_;
   std::mutex mutex_;
   std::vector<std::uint64_t> selected_columns_;  // per weight
   std::uint64_t device_bytes_ = 0;
