@@ -1,7 +1,9 @@
 #include "tierflow/io/engine.hpp"
 
+#include <cstdint>
 #include <fstream>
 #include <sstream>
+#include <string>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -28,16 +30,36 @@ backend_kind parse_backend(const std::string& text, const std::string& what) {
   throw user_error(what + ": '" + text + "' is not one of auto, uring, threads");
 }
 
+namespace {
+
+// The range of each setting, named as the caller knows it: validate() uses the
+// CLI's words ("block size"), parse_config() the config key it read the value
+// from ("aio.block_size"), so an error names what the user typed.
+void check_threads(std::uint64_t v, const std::string& name) {
+  if (v < 1 || v > 256) throw user_error(name + ": " + std::to_string(v) + " is not in 1..256");
+}
+
+void check_queue_depth(std::uint64_t v, const std::string& name) {
+  if (v < 1 || v > 4096) throw user_error(name + ": " + std::to_string(v) + " is not in 1..4096");
+}
+
+void check_block_size(std::uint64_t v, const std::string& name) {
+  if (v == 0 || v % file::offset_alignment != 0 || v > (1u << 30)) {
+    throw user_error(name + ": " + std::to_string(v) + " is not a multiple of 4096 between 4 KiB and 1 GiB");
+  }
+}
+
+void check_submit_batch(std::uint64_t v, const std::string& name) {
+  if (v > 4096) throw user_error(name + ": " + std::to_string(v) + " is over 4096");
+}
+
+}  // namespace
+
 void validate(const engine_config& c) {
-  if (c.threads < 1 || c.threads > 256) throw user_error("threads: " + std::to_string(c.threads) + " is not in 1..256");
-  if (c.queue_depth < 1 || c.queue_depth > 4096) {
-    throw user_error("queue depth: " + std::to_string(c.queue_depth) + " is not in 1..4096");
-  }
-  if (c.block_size == 0 || c.block_size % file::offset_alignment != 0 || c.block_size > (1u << 30)) {
-    throw user_error("block size: " + std::to_string(c.block_size) +
-                     " is not a multiple of 4096 between 4 KiB and 1 GiB");
-  }
-  if (c.submit_batch > 4096) throw user_error("submit batch: " + std::to_string(c.submit_batch) + " is over 4096");
+  check_threads(c.threads, "threads");
+  check_queue_depth(c.queue_depth, "queue depth");
+  check_block_size(c.block_size, "block size");
+  check_submit_batch(c.submit_batch, "submit batch");
   if (c.max_registered_files < 1 || c.max_registered_files > 32768 || c.max_registered_buffers < 1 ||
       c.max_registered_buffers > 16384) {
     throw user_error("registered file / buffer table sizes out of range");
@@ -191,22 +213,27 @@ engine_config parse_config(const std::string& text, engine_config base) {
     throw user_error(std::string("config: not JSON (") + e.what() + ")");
   }
   if (!j.is_object()) throw user_error("config: expected a JSON object");
-  auto unsigned_key = [](const nlohmann::json& section, const char* key, const std::string& where,
-                         auto& out) {
+  // Reads `key` of `section` into `out` when present, checked by `check` under
+  // its dotted name before it is narrowed to `out`'s type.
+  auto unsigned_key = [](const nlohmann::json& section, const char* key, const std::string& where, auto& out,
+                         void (*check)(std::uint64_t, const std::string&)) {
     if (!section.contains(key)) return;
     const nlohmann::json& v = section[key];
-    if (!v.is_number_unsigned()) throw user_error(where + "." + key + ": expected a positive integer");
+    const std::string name = where + "." + key;
+    if (!v.is_number_unsigned()) throw user_error(name + ": " + v.dump() + " is not a whole number");
+    check(v.get<std::uint64_t>(), name);
     out = v.get<std::remove_reference_t<decltype(out)>>();
   };
   if (j.contains("aio")) {
     const nlohmann::json& aio = j["aio"];
     if (!aio.is_object()) throw user_error("config: aio: expected an object");
-    unsigned_key(aio, "block_size", "aio", base.block_size);
-    unsigned_key(aio, "queue_depth", "aio", base.queue_depth);
-    unsigned_key(aio, "thread_count", "aio", base.threads);  // DeepSpeed's older name
-    unsigned_key(aio, "intra_op_parallelism", "aio", base.threads);
+    unsigned_key(aio, "block_size", "aio", base.block_size, check_block_size);
+    unsigned_key(aio, "queue_depth", "aio", base.queue_depth, check_queue_depth);
+    unsigned_key(aio, "thread_count", "aio", base.threads, check_threads);  // DeepSpeed's older name
+    unsigned_key(aio, "intra_op_parallelism", "aio", base.threads, check_threads);
     if (aio.contains("single_submit")) {
-      if (!aio["single_submit"].is_boolean()) throw user_error("aio.single_submit: expected true or false");
+      if (!aio["single_submit"].is_boolean())
+        throw user_error("aio.single_submit: " + aio["single_submit"].dump() + " is not true or false");
       if (aio["single_submit"].get<bool>()) base.submit_batch = 1;
     }
     if (aio.contains("overlap_events")) {
@@ -214,7 +241,8 @@ engine_config parse_config(const std::string& text, engine_config base) {
       // them before submitting more. Both backends always refill the queue as
       // each request completes, which is what true means; a config asking for
       // the lockstep would otherwise be run with a behaviour it did not ask for.
-      if (!aio["overlap_events"].is_boolean()) throw user_error("aio.overlap_events: expected true or false");
+      if (!aio["overlap_events"].is_boolean())
+        throw user_error("aio.overlap_events: " + aio["overlap_events"].dump() + " is not true or false");
       if (!aio["overlap_events"].get<bool>())
         throw user_error(
             "aio.overlap_events: false (wait for a whole batch before submitting more) is not supported; "
@@ -228,7 +256,7 @@ engine_config parse_config(const std::string& text, engine_config base) {
       if (!io["backend"].is_string()) throw user_error("io.backend: expected a string");
       base.backend = parse_backend(io["backend"].get<std::string>(), "io.backend");
     }
-    unsigned_key(io, "submit_batch", "io", base.submit_batch);
+    unsigned_key(io, "submit_batch", "io", base.submit_batch, check_submit_batch);
     if (io.contains("sqpoll")) {
       if (!io["sqpoll"].is_boolean()) throw user_error("io.sqpoll: expected true or false");
       base.sqpoll = io["sqpoll"].get<bool>();

@@ -11,7 +11,9 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <string>
 #include <thread>
+#include <utility>
 
 #include <gtest/gtest.h>
 
@@ -365,6 +367,34 @@ TEST(EngineConfig, BadValuesAreUserErrors) {
   EXPECT_THROW(make_engine({.block_size = 4097}), user_error);
   EXPECT_THROW(make_engine({.threads = 0}), user_error);
   EXPECT_THROW(parse_backend("spdk", "--backend"), user_error);
+}
+
+// A bad value in a config names the key it was read from, as the user spelt
+// it, and the value; the CLI's flags keep their own words.
+TEST(EngineConfig, AConfigErrorNamesTheKeyAndTheValue) {
+  const std::pair<const char*, const char*> cases[] = {
+      {R"({"aio": {"block_size": 1000}})", "aio.block_size: 1000 is not a multiple of 4096"},
+      {R"({"aio": {"queue_depth": 0}})", "aio.queue_depth: 0 is not in 1..4096"},
+      {R"({"aio": {"thread_count": 300}})", "aio.thread_count: 300 is not in 1..256"},
+      {R"({"aio": {"intra_op_parallelism": -2}})", "aio.intra_op_parallelism: -2 is not a whole number"},
+      {R"({"aio": {"queue_depth": "deep"}})", "aio.queue_depth: \"deep\" is not a whole number"},
+      {R"({"io": {"submit_batch": 5000}})", "io.submit_batch: 5000 is over 4096"},
+      {R"({"aio": {"single_submit": "yes"}})", "aio.single_submit: \"yes\" is not true or false"},
+  };
+  for (const auto& [text, expected] : cases) {
+    try {
+      parse_config(text);
+      ADD_FAILURE() << "accepted " << text;
+    } catch (const user_error& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  }
+  try {
+    make_engine({.block_size = 4097});
+    ADD_FAILURE() << "accepted a block size of 4097";
+  } catch (const user_error& e) {
+    EXPECT_NE(std::string(e.what()).find("block size: 4097"), std::string::npos) << e.what();
+  }
 }
 
 // The flags of the mapping holding `address`, from /proc/self/smaps ("" when not found).
