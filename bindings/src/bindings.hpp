@@ -22,4 +22,7 @@ void bind_muon(nanobind::module_& m);
 // Store: tiers with budgets and the blocks homed in them.
 void bind_store(nanobind::module_& m);
 
+// zenflow_config(), aio_config(), parse_size(): the C++ readers of config sections.
+void bind_config(nanobind::module_& m);
+
 }  // namespace tierflow::python

@@ -6,11 +6,12 @@
 #include "tierflow/core/version.hpp"
 
 NB_MODULE(_core, m) {
-  m.doc() = "tierflow's C++ core: probes, the CPU optimizers' steps, the block store and the error family";
+  m.doc() = "tierflow's C++ core: probes, the CPU optimizers' steps, the block store, the config readers and the error family";
   m.attr("__version__") = tierflow::version;
   tierflow::python::register_errors(m);
   tierflow::python::bind_info(m);
   tierflow::python::bind_optim(m);
   tierflow::python::bind_muon(m);
   tierflow::python::bind_store(m);
+  tierflow::python::bind_config(m);
 }

@@ -30,6 +30,7 @@ def test_the_stubs_and_the_typed_marker_ship_with_the_package():
     stub = (package / "_core.pyi").read_text()
     assert "def adam_step(" in stub and "class Store" in stub and "def info(" in stub
     assert "def muon_step(" in stub and "class MuonWorkspace" in stub and "def group_parameters(" in stub
+    assert "def zenflow_config(" in stub and "def aio_config(" in stub and "def parse_size(" in stub
     assert (package / "py.typed").exists()
 
 
@@ -63,6 +64,24 @@ def test_a_bad_argument_is_a_value_error_naming_it(tmp_path):
         tierflow.info(missing)
     with pytest.raises(ValueError, match="home"):
         tierflow.Store(host_budget=1 << 20).create_block("w", 4096, home="disk")
+
+
+def test_the_config_readers_are_the_cpp_parsers_and_name_the_bad_key():
+    from tierflow import _core
+
+    read = _core.zenflow_config({"topk_ratio": 0.2, "select_strategy": "step", "select_interval": 8,
+                                 "update_interval": 4})
+    assert read["topk_ratio"] == 0.2 and read["select_interval"] == 8 and read["update_interval"] == 4
+    assert read["schedule"]["select_interval"] == 8 and read["importance_norm"] == "l1"
+    with pytest.raises(ValueError, match=r"zenflow.topk: unknown key"):
+        _core.zenflow_config({"topk": 0.2})
+    aio = _core.aio_config({"block_size": 65536, "thread_count": 3, "queue_depth": 16})
+    assert (aio["block_size"], aio["threads"], aio["queue_depth"]) == (65536, 3, 16)
+    with pytest.raises(ValueError, match=r"aio.block_size: 1000 is not a multiple of 4096"):
+        _core.aio_config({"block_size": 1000})
+    assert _core.parse_size("8G", "tierflow.host_memory") == 8 << 30
+    with pytest.raises(ValueError, match=r"tierflow.host_memory: '8X'"):
+        _core.parse_size("8X", "tierflow.host_memory")
 
 
 def test_a_budget_overrun_is_a_memory_error_naming_the_tier_and_budget():
