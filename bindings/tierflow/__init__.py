@@ -5,7 +5,9 @@ This package is the Python face of tierflow's C++ core (the extension
 ``tierflow._core``): :func:`info` reports what the machine offers,
 :class:`Store` is the block store over tiers with budgets, and
 :mod:`tierflow.torch.optim` holds torch optimizers whose steps run in
-tierflow's CPU kernels. Errors are :mod:`tierflow.errors`' classes.
+tierflow's CPU kernels, :func:`tierflow.config.from_deepspeed` reads a
+DeepSpeed config into tierflow's typed one. Errors are :mod:`tierflow.errors`'
+classes.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ except ImportError as e:  # the pure-Python files without the built extension
         "(scripts/setup.sh does it into .venv/)."
     ) from e
 
+from tierflow import config
 from tierflow._core import Store
 from tierflow.errors import BudgetError, TierflowError
 
-__all__ = ["info", "simd_targets", "Store", "TierflowError", "BudgetError", "__version__"]
+__all__ = ["info", "simd_targets", "Store", "config", "TierflowError", "BudgetError", "__version__"]
 
 __version__: str = _core.__version__
 
