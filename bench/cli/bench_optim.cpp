@@ -14,6 +14,7 @@
 #include <iostream>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -36,6 +37,7 @@ using clock_type = std::chrono::steady_clock;
 struct optim_options {
   std::string optimizer = "adamw";
   std::string params = "16M";
+  std::string tensors;  // comma-separated element counts: one step per tensor, in turn
   std::string param_dtype = "fp32";
   std::string state_dtype = "fp32";
   std::string grad_dtype;  // default: the param dtype
@@ -146,8 +148,47 @@ double time_beside_bound(Step& one_step, int steps, bound::stream_bound& b, doub
   return seconds;
 }
 
+// Elements [at, at + n) of every buffer of `g` (an absent one stays absent).
+optim::adam_sub_group slice(const optim::adam_sub_group& g, std::size_t at, std::size_t n) {
+  auto part = [&](auto ref) {
+    if (ref.empty()) return ref;
+    ref.data = static_cast<std::conditional_t<std::is_const_v<std::remove_pointer_t<decltype(ref.data)>>,
+                                              const std::byte*, std::byte*>>(ref.data) +
+               at * size_of(ref.type);
+    ref.size = n;
+    return ref;
+  };
+  return {g.param.subspan(at, n), part(g.grad), part(g.exp_avg), part(g.exp_avg_sq), part(g.max_exp_avg_sq),
+          part(g.param_copy)};
+}
+
+// --tensors: the element count of each tensor, in order.
+std::vector<std::size_t> parse_tensors(const std::string& list) {
+  std::vector<std::size_t> sizes;
+  std::size_t at = 0;
+  while (at <= list.size()) {
+    const std::size_t comma = std::min(list.find(',', at), list.size());
+    const std::string item = list.substr(at, comma - at);
+    std::size_t used = 0;
+    std::size_t n = 0;
+    try {
+      n = std::stoull(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (item.empty() || used != item.size() || n == 0)
+      throw user_error("--tensors: \"" + item + "\" is not a positive element count (a comma-separated list)");
+    sizes.push_back(n);
+    at = comma + 1;
+  }
+  return sizes;
+}
+
 json bench_adam(const optim_options& opt, optim::executor& ex) {
-  const std::size_t n = parse_size(opt.params, "--params");
+  const std::vector<std::size_t> tensors = opt.tensors.empty() ? std::vector<std::size_t>{} : parse_tensors(opt.tensors);
+  std::size_t n = 0;
+  for (const std::size_t t : tensors) n += t;
+  if (tensors.empty()) n = parse_size(opt.params, "--params");
   const dtype param_t = parse_dtype(opt.param_dtype, "--param-dtype");
   const dtype state_t = parse_dtype(opt.state_dtype, "--state-dtype");
   const dtype grad_t = opt.grad_dtype.empty() ? param_t : parse_dtype(opt.grad_dtype, "--grad-dtype");
@@ -183,11 +224,19 @@ json bench_adam(const optim_options& opt, optim::executor& ex) {
                               state_t == dtype::fp32 ? optim::tensor_ref{v32.get(), n, dtype::fp32}
                                                      : optim::tensor_ref{v16.get(), n, state_t},
                               {}, param_copy};
+  // One sub-group per tensor (a model's parameters, stepped one after
+  // another as an optimizer over a parameter list does), or one over all.
+  std::vector<optim::adam_sub_group> groups;
+  for (std::size_t at = 0; const std::size_t t : tensors.empty() ? std::vector<std::size_t>{n} : tensors) {
+    groups.push_back(slice(group, at, t));
+    at += t;
+  }
   std::int64_t step = 0;
   auto one_step = [&] {
-    adam.step(ex, group,
-              {.step = ++step,
-               .check = opt.check_finite ? optim::finite_check::skip_step : optim::finite_check::off});
+    ++step;
+    for (const optim::adam_sub_group& g : groups)
+      adam.step(ex, g,
+                {.step = step, .check = opt.check_finite ? optim::finite_check::skip_step : optim::finite_check::off});
   };
   one_step();
   one_step();  // warm-up: pages mapped, caches and threads in place
@@ -196,6 +245,7 @@ json bench_adam(const optim_options& opt, optim::executor& ex) {
   double seconds = 0;
   json j = {{"optimizer", opt.optimizer},
             {"params", n},
+            {"tensors", groups.size()},
             {"threads", ex.threads()},
             {"simd", ex.simd()},
             {"param_dtype", name(param_t)},
@@ -309,6 +359,7 @@ void print_human(const json& j) {
     row("shape", j["shape"].get<std::string>() + " x " + std::to_string(j["matrices"].get<std::size_t>()) +
                      " matrices, gemm " + j["gemm_dtype"].get<std::string>());
   } else {
+    if (j["tensors"].get<std::size_t>() > 1) row("tensors", std::to_string(j["tensors"].get<std::size_t>()) + ", stepped in turn");
     row("dtypes", "param " + j["param_dtype"].get<std::string>() + ", grad " + j["grad_dtype"].get<std::string>() +
                       ", state " + j["state_dtype"].get<std::string>());
     row("pages", j["pages"] == "off" ? "4 KiB" : "transparent huge pages (advised)");
@@ -341,6 +392,9 @@ void add_bench_optim_command(CLI::App& app) {
   cmd->add_option("--optimizer", opt->optimizer, "adamw (default), adam or muon")
       ->check(CLI::IsMember({"adamw", "adam", "muon"}));
   cmd->add_option("--params", opt->params, "Parameters per step, K/M/G suffixes (Adam; default 16M)");
+  cmd->add_option("--tensors", opt->tensors,
+                  "Adam over these tensors instead of one of --params: their element counts, comma-separated, "
+                  "stepped one after another as an optimizer over a model's parameter list does");
   cmd->add_option("--param-dtype", opt->param_dtype,
                   "Model dtype: fp32, or bf16/fp16 (gradients in it, updated copy written in it)");
   cmd->add_option("--state-dtype", opt->state_dtype, "Adam moments: fp32 (default) or bf16");

@@ -102,11 +102,25 @@ TEST(bench_optim, human_output_names_both_bounds) {
   EXPECT_NE(r.out.find("the higher"), std::string::npos) << r.out;
 }
 
+// A list of tensors is stepped one after another: their total is the
+// step's parameter count, and the bound covers the same bytes.
+TEST(bench_optim, tensors_are_stepped_in_turn) {
+  const auto r = run_cli({"bench", "optim", "--tensors", "65536,1000,300000", "--steps", "2", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["params"], 65536 + 1000 + 300000);
+  EXPECT_EQ(j["tensors"], 3);
+  EXPECT_EQ(j["bytes_per_param"], 28.0);
+  EXPECT_GT(j["ratio_to_bound"].get<double>(), 0.0);
+}
+
 TEST(bench_optim, bad_values_exit_1_with_one_line) {
   for (const std::vector<std::string>& args :
        {std::vector<std::string>{"bench", "optim", "--state-dtype", "fp8"},
         {"bench", "optim", "--threads", "0"},
         {"bench", "optim", "--params", "lots"},
+        {"bench", "optim", "--tensors", "100,,3"},
+        {"bench", "optim", "--tensors", "100,0"},
         {"bench", "optim", "--simd", "avx9000"},
         {"bench", "optim", "--optimizer", "muon", "--shape", "12by4"}}) {
     const auto r = run_cli(args);
