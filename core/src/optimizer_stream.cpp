@@ -30,8 +30,12 @@ optimizer_stream_stats run_optimizer_stream(block_store& store, std::span<const 
   std::size_t hinted = 0;  // sub-groups [0, hinted) have had their prefetch hints
   auto hint_until = [&](std::size_t end) {
     for (; hinted < std::min(end, groups.size()); ++hinted) {
-      for (const block_id b : groups[hinted].blocks)
-        store.prefetch(b, options.stage, traffic_class::optimizer_stream);
+      const sub_group& g = groups[hinted];
+      for (std::size_t k = 0; k < g.blocks.size(); ++k) {
+        // An overwritten block's old bytes are never read: loading them would be wasted I/O.
+        if (mode_of(g, k) != access::overwrite)
+          store.prefetch(g.blocks[k], options.stage, traffic_class::optimizer_stream);
+      }
     }
   };
 
@@ -57,7 +61,7 @@ optimizer_stream_stats run_optimizer_stream(block_store& store, std::span<const 
 
     // write(i): released dirty and sent home while i+1 updates.
     for (std::size_t k = 0; k < g.blocks.size(); ++k) {
-      const bool wrote = mode_of(g, k) == access::write;
+      const bool wrote = mode_of(g, k) != access::read;  // an overwrite released clean would be discarded
       store.release(std::move(leases[k]), wrote ? dirty::yes : dirty::no);
       if (options.evict_after_update) store.evict(g.blocks[k], options.stage);
     }

@@ -147,6 +147,43 @@ TEST(OptimizerStream, StreamsSubGroupsThroughABoundedHostTier) {
   for (const auto& tier : store->telemetry().tiers) EXPECT_LE(tier.high_water, tier.budget) << tier.name;
 }
 
+std::uint64_t link_bytes(const block_store& store, const std::string& name) {
+  for (const auto& l : store.telemetry().links) {
+    if (l.name == name) return l.bytes;
+  }
+  ADD_FAILURE() << "no link " << name;
+  return 0;
+}
+
+// Overwritten blocks are written without being read (no load from NVMe) and
+// reach home; blocks leased read-only come back clean (no write-back).
+TEST(OptimizerStream, OverwrittenBlocksAreNotReadAndReadOnesAreNotWritten) {
+  testing::temp_dir dir;
+  constexpr std::uint64_t block = 64 * 1024;
+  auto store = make_test_store(dir.path(), 4 * block);
+  const auto ids = make_blocks(*store, 6, block, "s");
+  std::vector<sub_group> groups(6);
+  for (std::size_t g = 0; g < 6; ++g) groups[g] = {{ids[g]}, {access::overwrite}};
+  const std::uint64_t read_before = link_bytes(*store, "nvme->host");
+  run_optimizer_stream(*store, groups, [&](std::size_t index, std::span<const std::span<std::byte>> b) {
+    float* f = reinterpret_cast<float*>(b[0].data());
+    std::fill(f, f + b[0].size() / sizeof(float), 10.0f + static_cast<float>(index));
+  });
+  EXPECT_EQ(link_bytes(*store, "nvme->host"), read_before);
+  EXPECT_EQ(link_bytes(*store, "host->nvme"), 6 * block + 6 * block);  // make_blocks', then these
+
+  for (auto& g : groups) g.modes = {access::read};
+  const std::uint64_t writebacks = store->telemetry().writebacks;
+  std::vector<float> seen;
+  run_optimizer_stream(*store, groups, [&](std::size_t, std::span<const std::span<std::byte>> b) {
+    EXPECT_TRUE(all_equal(b[0], 10.0f + static_cast<float>(seen.size())));
+    seen.push_back(0);
+  });
+  EXPECT_EQ(seen.size(), 6u);
+  EXPECT_EQ(store->telemetry().writebacks, writebacks);
+  EXPECT_EQ(link_bytes(*store, "nvme->host") - read_before, 6 * block);
+}
+
 TEST(OptimizerStream, AnUpdateThatThrowsStopsTheStepAndLeavesEarlierGroupsWritten) {
   testing::temp_dir dir;
   constexpr std::uint64_t block = 64 * 1024;

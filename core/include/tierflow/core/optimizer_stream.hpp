@@ -27,7 +27,10 @@ namespace tierflow {
 
 class block_store;
 
-// One sub-group: its blocks, and which of them the update writes.
+// One sub-group: its blocks, and how the update uses each of them:
+// access::read (read only, released clean), access::write (read and written,
+// released dirty) or access::overwrite (every byte written without being read:
+// the block is neither prefetched nor loaded, and is released dirty).
 struct sub_group {
   std::vector<block_id> blocks;
   std::vector<access> modes;  // one per block; empty: all access::write
