@@ -90,6 +90,9 @@ TEST(checkpoint, a_new_generation_replaces_the_old_one) {
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"blocks-2.bin", "manifest.json"}));
   EXPECT_EQ(tiers::verify_checkpoint(dir.sub("ckpt")).generation, 2u);
+  EXPECT_EQ(tiers::read_checkpoint_manifest(dir.sub("ckpt")).generation, 2u);
+  EXPECT_EQ(tiers::read_checkpoint_manifest(dir.sub("ckpt")).blocks.size(), ids.size());
+  EXPECT_THROW(tiers::read_checkpoint_manifest(dir.sub("none")), checkpoint_error);
   scratch_dir other;
   auto fresh = tiers::make_store(small_store_config(other));
   tiers::restore_checkpoint(*fresh, dir.sub("ckpt"));

@@ -213,6 +213,8 @@ checkpoint_stats write_checkpoint(block_store& store, const std::string& directo
   return stats_of(m, start);
 }
 
+checkpoint_manifest read_checkpoint_manifest(const std::string& directory) { return read_manifest(directory); }
+
 checkpoint_manifest verify_checkpoint(const std::string& directory) {
   checkpoint_manifest m = read_manifest(directory);
   auto engine = io::make_engine({});

@@ -37,6 +37,11 @@ struct checkpoint_stats {
 // failure; the previous checkpoint stays usable.
 checkpoint_stats write_checkpoint(block_store& store, const std::string& directory);
 
+// Reads the manifest in `directory` and checks its own checksum, not the data
+// (cheap: e.g. to match a checkpoint's generation with a file saved beside it).
+// Throws checkpoint_error when it is missing or corrupt.
+checkpoint_manifest read_checkpoint_manifest(const std::string& directory);
+
 // Reads and checks the checkpoint in `directory` without restoring it: the
 // manifest's own checksum, the data file's size and every block's checksum.
 // Throws checkpoint_error when it is missing, corrupt or truncated.
