@@ -60,6 +60,8 @@ step_outcome adam_optimizer::step(executor& ex, const adam_sub_group& group,
                                   const adam_step_args& args) const {
   validate(group, args, options_.amsgrad);
   const std::size_t n = group.param.size();
+  // g · (-s) is exactly -(g · s): maximizing is minimizing the negated gradient.
+  const float grad_scale = args.objective == objective::maximize ? -args.grad_scale : args.grad_scale;
 
   if (args.check == finite_check::skip_step) {
     // A separate read of the gradients: the update must not start before the
@@ -68,7 +70,7 @@ step_outcome adam_optimizer::step(executor& ex, const adam_sub_group& group,
     std::atomic<bool> finite{true};
     detail::for_each_tile(ex, n, [&](std::size_t begin, std::size_t end) {
       if (!finite.load(std::memory_order_relaxed)) return;  // a hint only: the result is the flag
-      if (!detail::all_finite(ex.target(), group.grad.data, group.grad.type, args.grad_scale, begin, end))
+      if (!detail::all_finite(ex.target(), group.grad.data, group.grad.type, grad_scale, begin, end))
         finite.store(false, std::memory_order_relaxed);
     });
     // for_each_tile returns after every tile ran (parallel_for joins): the
@@ -90,7 +92,7 @@ step_outcome adam_optimizer::step(executor& ex, const adam_sub_group& group,
            : group.param_copy.type == dtype::bf16 ? detail::copy_kind::bf16
                                                   : detail::copy_kind::fp16;
   a.amsgrad = o.amsgrad == optim::amsgrad::on;
-  a.grad_scale = args.grad_scale;
+  a.grad_scale = grad_scale;
   a.k = detail::make_adam_element_constants(o, args.step);
 
   detail::for_each_tile(ex, n, [&](std::size_t begin, std::size_t end) {

@@ -384,6 +384,34 @@ TEST(adam, bad_spans_are_user_errors_and_write_nothing) {
   EXPECT_EQ(p, p0);
 }
 
+// maximize is the step on the negated gradient, bit for bit, on every SIMD
+// target (torch negates the gradient first; the kernel negates its scale).
+TEST(adam, maximize_is_the_step_on_the_negated_gradient) {
+  const std::size_t n = 4096 + 19;
+  std::vector<float> g(n);
+  for (std::size_t i = 0; i < n; ++i) g[i] = std::sin(static_cast<float>(i)) * 1e-2f;
+  std::vector<float> negated(g);
+  for (float& x : negated) x = -x;
+  for (const std::string& simd : simd_targets()) {
+    executor ex(2, simd);
+    adam_optimizer opt({.lr = 1e-2f, .weight_decay = 0.1f, .decay = weight_decay_mode::l2, .amsgrad = amsgrad::on});
+    std::vector<float> p1(n, 0.5f), m1(n, 0.0f), v1(n, 0.0f), x1(n, 0.0f);
+    std::vector<float> p2(p1), m2(m1), v2(v1), x2(x1);
+    for (std::int64_t t = 1; t <= 3; ++t) {
+      adam_sub_group up{p1, fp32_ref(std::span<const float>(g)), fp32_ref(std::span<float>(m1)),
+                        fp32_ref(std::span<float>(v1)), fp32_ref(std::span<float>(x1)), {}};
+      adam_sub_group down{p2, fp32_ref(std::span<const float>(negated)), fp32_ref(std::span<float>(m2)),
+                          fp32_ref(std::span<float>(v2)), fp32_ref(std::span<float>(x2)), {}};
+      opt.step(ex, up, {.step = t, .grad_scale = 0.5f, .objective = objective::maximize});
+      opt.step(ex, down, {.step = t, .grad_scale = 0.5f});
+    }
+    EXPECT_EQ(p1, p2) << simd;
+    EXPECT_EQ(m1, m2) << simd;
+    EXPECT_EQ(v1, v2) << simd;
+    EXPECT_EQ(x1, x2) << simd;
+  }
+}
+
 TEST(adam, empty_sub_group_is_a_no_op) {
   executor ex(2);
   adam_optimizer opt(adam_options::adamw());

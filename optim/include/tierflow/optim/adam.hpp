@@ -1,7 +1,8 @@
 // Adam and AdamW over the flat spans of one sub-group, at the memory-bandwidth
 // limit, with the numerics of PyTorch's torch.optim.Adam / AdamW (fused=True):
 //
-//   g      = grad * grad_scale                      (loss scale, clipping folded in)
+//   g      = grad * grad_scale                      (loss scale, clipping folded in;
+//                                                    negated to maximize)
 //   g     += weight_decay * p                        (Adam: L2)
 //   p     -= lr * weight_decay * p                   (AdamW: decoupled)
 //   m      = m + (1 - beta1) * (g - m)               (torch's lerp)
@@ -62,10 +63,15 @@ enum class finite_check {
   skip_step,  // read the gradients first; any inf/nan → nothing is written
 };
 
+// torch's `maximize`: the step ascends the gradient, as if it were negated
+// first (exactly: the kernel multiplies it by -grad_scale, with no temporary).
+enum class objective { minimize, maximize };
+
 struct adam_step_args {
   std::int64_t step = 1;     // 1-based step count of this sub-group (bias correction)
   float grad_scale = 1.0f;   // multiplies every gradient: 1/loss_scale × clip coefficient
   finite_check check = finite_check::off;
+  optim::objective objective = optim::objective::minimize;
 };
 
 enum class step_outcome { applied, skipped_nonfinite };
