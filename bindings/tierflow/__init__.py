@@ -35,7 +35,9 @@ def info(path: str | None = None) -> dict:
     ``tierflow info --json`` prints (CPU and SIMD level, cores and NUMA nodes,
     memory and the pinning limit, io_uring, CUDA devices). With ``path``, also
     that directory's filesystem, O_DIRECT support and free space; a path that
-    does not exist or cannot be written raises ValueError naming it."""
+    does not exist, is not a directory or cannot be written raises
+    :class:`TierflowError` (an OSError: ``errno`` ENOENT, ENOTDIR, EROFS...,
+    ``filename`` the path)."""
     return _core.info(None if path is None else str(path))
 
 

@@ -49,6 +49,9 @@ error::error(std::error_code code, error_context context, std::source_location w
 error::error(int errnum, error_context context, std::source_location where)
     : error(std::error_code(errnum, std::generic_category()), std::move(context), where) {}
 
+error::error(int errnum, error_context context, std::string message, std::source_location where)
+    : error(std::error_code(errnum, std::generic_category()), std::move(context), where, std::move(message)) {}
+
 std::string error::where() const { return location(where_); }
 
 error::error(std::error_code code, error_context context, std::source_location where,

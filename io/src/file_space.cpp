@@ -50,7 +50,10 @@ void file_space::check_directory() {
   int fd = ::open(dir.c_str(), flags);
   if (fd < 0 && errno == ENOENT) {
     if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
-      throw user_error("offload directory " + dir + ": cannot be created (" + std::strerror(errno) + ")");
+      // ENOENT: its parent is missing too; EACCES, EROFS: the parent cannot be written.
+      const int err = errno;
+      throw error(err, error_context{"mkdir"}.at(dir),
+                  "offload directory " + dir + ": cannot be created (" + std::strerror(err) + ")");
     }
     fd = ::open(dir.c_str(), flags);
   }
@@ -60,10 +63,19 @@ void file_space::check_directory() {
     if (::lstat(dir.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
       throw user_error("offload directory " + dir + ": is a symlink; refusing it");
     }
-    if (err == ENOTDIR) throw user_error("offload directory " + dir + ": not a directory");
-    throw user_error("offload directory " + dir + ": " + std::strerror(err));
+    if (err == ENOTDIR)
+      throw error(err, error_context{"open"}.at(dir), "offload directory " + dir + ": not a directory");
+    throw error(err, error_context{"open"}.at(dir), "offload directory " + dir + ": " + std::strerror(err));
   }
   directory_fd_ = unique_fd(fd);
+  // Files are made in it only when the first extent is asked for: a directory
+  // that cannot take them (read-only, not writable by this user; root is
+  // refused by a read-only mount alone) is refused now, naming it.
+  if (::faccessat(fd, ".", W_OK, AT_EACCESS) != 0) {
+    const int err = errno;
+    throw error(err, error_context{"access"}.at(dir),
+                "offload directory " + dir + ": cannot be written (" + std::strerror(err) + ")");
+  }
 
   struct stat st {};
   TF_CHECK_SYSCALL(::fstat(fd, &st), error_context{"fstat"}.at(dir));

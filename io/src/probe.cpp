@@ -122,12 +122,14 @@ void probe_o_direct(const std::string& dir, path_capabilities& out) {
     // The directory exists (probe_path stat()ed it): ENOENT here is the
     // filesystem refusing to create any file (proc, sysfs, cgroup), which
     // strerror would word as a missing path.
+    const error_context context = error_context{"create a file in"}.at(dir);
     if (err == ENOENT) {
-      throw user_error("--path " + dir + ": cannot be written: its " +
-                       (out.filesystem.empty() ? std::string() : out.filesystem + " ") +
-                       "filesystem does not let files be created");
+      throw error(err, context,
+                  "directory " + dir + ": cannot be written: its " +
+                      (out.filesystem.empty() ? std::string() : out.filesystem + " ") +
+                      "filesystem does not let files be created");
     }
-    throw user_error("--path " + dir + ": cannot be written (" + std::strerror(err) + ")");
+    throw error(err, context, "directory " + dir + ": cannot be written (" + std::strerror(err) + ")");
   }
   ::close(plain);
   const int fd = ::open(name.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC);
@@ -176,9 +178,11 @@ path_capabilities probe_path(const std::string& dir) {
   out.path = dir;
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0) {
-    throw user_error("--path " + dir + ": " + std::strerror(errno));
+    const int err = errno;
+    throw error(err, error_context{"stat"}.at(dir), "directory " + dir + ": " + std::strerror(err));
   }
-  if (!S_ISDIR(st.st_mode)) throw user_error("--path " + dir + ": not a directory");
+  if (!S_ISDIR(st.st_mode))
+    throw error(ENOTDIR, error_context{"stat"}.at(dir), "directory " + dir + ": not a directory");
 
   std::unique_ptr<char, decltype(&std::free)> real(::realpath(dir.c_str(), nullptr), &std::free);
   find_mount(real ? real.get() : dir, out);

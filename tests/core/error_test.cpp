@@ -85,6 +85,20 @@ TEST(Error, UserErrorIsOneLineOfTheSameFamily) {
   }
 }
 
+TEST(Error, AWordedErrorKeepsItsLineAndItsErrnoAndPath) {
+  try {
+    throw error(EROFS, error_context{"create a file in"}.at("/mnt/ro"),
+                "directory /mnt/ro: cannot be written (Read-only file system)");
+  } catch (const user_error&) {
+    FAIL() << "an environment failure, not a user error";
+  } catch (const error& e) {
+    EXPECT_STREQ(e.what(), "directory /mnt/ro: cannot be written (Read-only file system)");
+    EXPECT_EQ(e.errnum(), EROFS);
+    EXPECT_EQ(e.context().path, "/mnt/ro");
+    EXPECT_NE(e.where().find("error_test.cpp:"), std::string::npos) << e.where();
+  }
+}
+
 TEST(ErrorDeathTest, BrokenInvariantAbortsWithFileAndLine) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_DEATH(TF_ASSERT(1 + 1 == 3, "arithmetic"),

@@ -136,7 +136,50 @@ TEST(FileSpace, RefusesADirectoryOfAnotherUser) {
 TEST(FileSpace, RefusesAPathThatIsAFile) {
   scratch_dir dir;
   ::close(::open(dir.file("plain").c_str(), O_CREAT | O_WRONLY, 0600));
-  EXPECT_THROW(file_space({.directory = dir.file("plain")}), user_error);
+  try {
+    file_space space({.directory = dir.file("plain")});
+    FAIL();
+  } catch (const user_error& e) {
+    FAIL() << "an environment failure with its errno, not a user error: " << e.what();
+  } catch (const tierflow::error& e) {
+    EXPECT_EQ(e.errnum(), ENOTDIR);
+    EXPECT_EQ(e.context().path, dir.file("plain"));
+    EXPECT_EQ(std::string(e.what()), "offload directory " + dir.file("plain") + ": not a directory");
+  }
+}
+
+// A missing parent and a read-only mount: errno and the path, not a user error
+// (Python raises OSError for them).
+TEST(FileSpace, AnUncreatableOrUnwritableDirectoryIsAnErrorWithItsErrno) {
+  scratch_dir dir;
+  const std::string missing = dir.file("no/such");
+  try {
+    file_space space({.directory = missing});
+    FAIL();
+  } catch (const user_error& e) {
+    FAIL() << e.what();
+  } catch (const tierflow::error& e) {
+    EXPECT_EQ(e.errnum(), ENOENT);
+    EXPECT_EQ(e.context().path, missing);
+    EXPECT_NE(std::string(e.what()).find(missing + ": cannot be created"), std::string::npos) << e.what();
+  }
+  const std::string ro = dir.file("ro");
+  ASSERT_EQ(::mkdir(ro.c_str(), 0700), 0);
+  if (::mount("tierflow-test", ro.c_str(), "tmpfs", MS_RDONLY, "size=64k") != 0) {
+    if (::geteuid() == 0) GTEST_SKIP() << "cannot mount a read-only tmpfs here: " << std::strerror(errno);
+    ::chmod(ro.c_str(), 0500);  // refuses anyone but root
+  }
+  try {
+    file_space space({.directory = ro});
+    ADD_FAILURE() << "a read-only directory was accepted";
+  } catch (const user_error& e) {
+    ADD_FAILURE() << e.what();
+  } catch (const tierflow::error& e) {
+    EXPECT_TRUE(e.errnum() == EROFS || e.errnum() == EACCES) << e.errnum();
+    EXPECT_EQ(e.context().path, ro);
+    EXPECT_NE(std::string(e.what()).find(ro + ": cannot be written"), std::string::npos) << e.what();
+  }
+  if (::umount(ro.c_str()) != 0) ::chmod(ro.c_str(), 0700);
 }
 
 TEST(FileSpace, CapacityIsEnforcedWithAClearError) {

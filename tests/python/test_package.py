@@ -59,9 +59,6 @@ def test_info_probes_this_machine(tmp_path):
 
 
 def test_a_bad_argument_is_a_value_error_naming_it(tmp_path):
-    missing = tmp_path / "missing"
-    with pytest.raises(ValueError, match=str(missing)):
-        tierflow.info(missing)
     with pytest.raises(ValueError, match="home"):
         tierflow.Store(host_budget=1 << 20).create_block("w", 4096, home="disk")
 
@@ -82,6 +79,19 @@ def test_the_config_readers_are_the_cpp_parsers_and_name_the_bad_key():
     assert _core.parse_size("8G", "tierflow.host_memory") == 8 << 30
     with pytest.raises(ValueError, match=r"tierflow.host_memory: '8X'"):
         _core.parse_size("8X", "tierflow.host_memory")
+
+
+def test_a_path_info_cannot_probe_is_an_os_error_naming_it(tmp_path):
+    missing = tmp_path / "missing"
+    with pytest.raises(tierflow.TierflowError) as raised:
+        tierflow.info(missing)
+    assert raised.value.errno == errno.ENOENT and raised.value.filename == str(missing)
+    assert str(raised.value) == f"directory {missing}: No such file or directory"
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    with pytest.raises(tierflow.TierflowError) as raised:
+        tierflow.info(plain)
+    assert raised.value.errno == errno.ENOTDIR and "not a directory" in str(raised.value)
 
 
 def test_a_budget_overrun_is_a_memory_error_naming_the_tier_and_budget():

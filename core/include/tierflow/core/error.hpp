@@ -51,6 +51,12 @@ class error : public std::system_error {
         std::source_location where = std::source_location::current());
   error(int errnum, error_context context,
         std::source_location where = std::source_location::current());
+  // A failure its thrower words itself: what() is `message` as it is (one
+  // line naming the thing, e.g. "directory /proc: cannot be written: ..."),
+  // while errno and `context` stay for programs (Python's OSError.errno and
+  // .filename).
+  error(int errnum, error_context context, std::string message,
+        std::source_location where = std::source_location::current());
 
   const error_context& context() const noexcept { return context_; }
   // The errno (or the CUDA/NCCL status, see code().category()).

@@ -58,9 +58,11 @@ struct file_space_stats {
 class file_space {
  public:
   // Opens (or creates) the directory and checks it is safe to use. Creates no
-  // file yet. Throws user_error naming the directory when it is a symlink, not
-  // a directory, owned by another user or holds a symlink or another user's
-  // file; tierflow::error for other failures.
+  // file yet. Throws user_error naming the directory when it is a symlink,
+  // owned by another user or holds a symlink or another user's file;
+  // tierflow::error with the errno and the path, in one line naming the
+  // directory, when it cannot be created (ENOENT: its parent is missing), is
+  // not a directory (ENOTDIR) or cannot be written (EROFS, EACCES).
   explicit file_space(file_space_options options);
   ~file_space();
   file_space(const file_space&) = delete;

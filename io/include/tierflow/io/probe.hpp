@@ -41,8 +41,9 @@ struct path_capabilities {
 };
 
 // Probes `dir` by creating (and removing) a small file in it. Throws
-// tierflow::user_error with one line naming the path when it does not exist,
-// is not a directory or cannot be written.
+// tierflow::error with the errno (ENOENT, ENOTDIR, EROFS, EACCES...) and the
+// path, and one line naming the directory, when it does not exist, is not a
+// directory or cannot be written.
 path_capabilities probe_path(const std::string& dir);
 
 }  // namespace tierflow::io
