@@ -30,7 +30,7 @@ bool adam_step(optim::executor& ex, buffer param, const_buffer grad, buffer exp_
                buffer exp_avg_sq, std::optional<buffer> max_exp_avg_sq,
                std::optional<buffer> param_copy, std::int64_t step, float lr, float beta1,
                float beta2, float eps, float weight_decay, bool decoupled, float grad_scale,
-               bool skip_nonfinite) {
+               bool skip_nonfinite, bool maximize) {
   if (element_type(param, "param") != dtype::fp32)
     throw user_error("param: the updated parameter (the master copy) must be float32");
   optim::adam_options options{.lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps,
@@ -49,7 +49,8 @@ bool adam_step(optim::executor& ex, buffer param, const_buffer grad, buffer exp_
       .param_copy = param_copy ? view_of(*param_copy, "param_copy") : optim::tensor_ref{}};
   const optim::adam_step_args args{
       .step = step, .grad_scale = grad_scale,
-      .check = skip_nonfinite ? optim::finite_check::skip_step : optim::finite_check::off};
+      .check = skip_nonfinite ? optim::finite_check::skip_step : optim::finite_check::off,
+      .objective = maximize ? optim::objective::maximize : optim::objective::minimize};
   // A zero-size parameter has nothing to update (and DLPack may give it no address).
   if (group.param.empty()) return true;
 
@@ -79,14 +80,15 @@ void bind_optim(nb::module_& m) {
         "max_exp_avg_sq"_a.noconvert().none() = nb::none(),
         "param_copy"_a.noconvert().none() = nb::none(), nb::kw_only(), "step"_a, "lr"_a,
         "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "decoupled"_a, "grad_scale"_a = 1.0f,
-        "skip_nonfinite"_a = false,
+        "skip_nonfinite"_a = false, "maximize"_a = false,
         "One Adam (decoupled=False: L2 decay) or AdamW (decoupled=True) step over one\n"
         "parameter's buffers, in place and in one pass, with torch.optim's fused numerics.\n"
         "`param` is the float32 (master) parameter; `grad` float32, bfloat16 or float16;\n"
         "the moments float32 or bfloat16, all of one dtype; `max_exp_avg_sq` turns amsgrad on;\n"
         "`param_copy` (bfloat16 or float16) receives the updated parameter in the same pass.\n"
         "`step` is the 1-based step count. Every buffer: C-contiguous, on the CPU, of param's\n"
-        "size. With skip_nonfinite an inf/nan gradient writes nothing and returns False.\n"
+        "size. With skip_nonfinite an inf/nan gradient writes nothing and returns False;\n"
+        "with maximize the step ascends the gradient (torch's maximize, with no temporary).\n"
         "Releases the GIL while the step runs. Raises ValueError naming a bad argument.");
 
   m.def("address_of", [](const_buffer a) { return reinterpret_cast<std::uintptr_t>(a.data()); },

@@ -110,8 +110,6 @@ def adam(
     lr, beta1, beta2 = _scalar(lr), _scalar(beta1), _scalar(beta2)
     for i, param in enumerate(params):
         grad = grads[i]
-        if maximize:
-            grad = torch.neg(grad)  # a gradient-sized temporary: the kernel has no sign flag
         if not grad.is_contiguous():
             grad = grad.contiguous()
         state_steps[i] += 1
@@ -138,6 +136,7 @@ def adam(
             eps=eps,
             weight_decay=weight_decay,
             decoupled=decoupled_weight_decay,
+            maximize=maximize,
         )
         if work is not target:
             target.copy_(work)
