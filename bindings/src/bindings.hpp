@@ -24,5 +24,7 @@ void bind_store(nanobind::module_& m);
 
 // zenflow_config(), aio_config(), parse_size(): the C++ readers of config sections.
 void bind_config(nanobind::module_& m);
+// OffloadedAdam: Adam/AdamW state on NVMe, streamed through a host budget.
+void bind_offloaded_adam(nanobind::module_& m);
 
 }  // namespace tierflow::python

@@ -14,4 +14,5 @@ NB_MODULE(_core, m) {
   tierflow::python::bind_muon(m);
   tierflow::python::bind_store(m);
   tierflow::python::bind_config(m);
+  tierflow::python::bind_offloaded_adam(m);
 }

@@ -31,6 +31,7 @@ def test_the_stubs_and_the_typed_marker_ship_with_the_package():
     assert "def adam_step(" in stub and "class Store" in stub and "def info(" in stub
     assert "def muon_step(" in stub and "class MuonWorkspace" in stub and "def group_parameters(" in stub
     assert "def zenflow_config(" in stub and "def aio_config(" in stub and "def parse_size(" in stub
+    assert "class OffloadedAdam" in stub and "def stream_without_update(" in stub
     assert (package / "py.typed").exists()
 
 

@@ -1,0 +1,542 @@
+// tierflow._core.OffloadedAdam: Adam/AdamW whose state lives on NVMe and
+// streams through a bounded host budget, one whole step over every parameter
+// per call.
+//
+// This is where the pieces meet (the assembly the architecture leaves to the
+// program): the store comes from tiers/ (a pinned host tier of exactly the
+// budget, an NVMe tier of files in the user's directory), the chunked state
+// and its pipelined pass from core/ (streamed_state over run_optimizer_stream:
+// read(i+1) ‖ update(i) ‖ write(i-1)), the arithmetic from optim/ (the fused
+// Adam kernel torch.optim.Adam's "cpu" offload runs too, so both give the same
+// bits). Parameters and gradients stay where torch keeps them: each chunk's
+// update reads and writes them in place through their DLPack views.
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "arrays.hpp"
+#include "bindings.hpp"
+#include "tierflow/core/error.hpp"
+#include "tierflow/core/store.hpp"
+#include "tierflow/core/streamed_state.hpp"
+#include "tierflow/core/units.hpp"
+#include "tierflow/optim/adam.hpp"
+#include "tierflow/optim/executor.hpp"
+#include "tierflow/optim/gradients.hpp"
+#include "tierflow/tiers/checkpoint.hpp"
+#include "tierflow/tiers/tiers.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace tierflow::python {
+namespace {
+
+// The state keys, in torch's names (the fp32 master under tierflow's).
+enum state_key : std::size_t { master = 0, exp_avg = 1, exp_avg_sq = 2, max_exp_avg_sq = 3 };
+const std::vector<std::string> key_names = {"master_param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+constexpr std::size_t key_count = 4;
+// The host budget holds this many sub-groups: the one updating, depth - 1 = 2
+// loading, and one being written back.
+constexpr std::uint64_t sub_groups_in_budget = 4;
+constexpr std::uint64_t minimum_host_memory = sub_groups_in_budget * key_count * block_alignment;  // 64 KiB
+// No budget on NVMe but the filesystem's free space (ENOSPC names the file).
+constexpr std::uint64_t unbounded_nvme = 1ull << 60;
+
+std::size_t key_of(const std::string& name) {
+  for (std::size_t k = 0; k < key_count; ++k) {
+    if (key_names[k] == name) return k;
+  }
+  throw user_error("key: '" + name + "' is not master_param, exp_avg, exp_avg_sq or max_exp_avg_sq");
+}
+
+struct hyper_parameters {
+  optim::adam_options options;
+  optim::objective objective = optim::objective::minimize;
+};
+
+// One parameter of a step, as the update reads it (views of torch's memory).
+struct step_entry {
+  std::size_t slot = 0;
+  optim::tensor_ref param;
+  optim::const_tensor_ref grad;
+  std::int64_t step = 1;
+  std::size_t group = 0;
+};
+
+class offloaded_adam {
+ public:
+  offloaded_adam(const std::string& nvme_dir, const std::variant<std::uint64_t, std::string>& host_memory_given,
+                 std::uint64_t file_size) {
+    // "2G" as the CLI's size flags read it, or a byte count.
+    const std::uint64_t host_memory = std::holds_alternative<std::string>(host_memory_given)
+                                          ? parse_size(std::get<std::string>(host_memory_given), "host_memory")
+                                          : std::get<std::uint64_t>(host_memory_given);
+    if (host_memory < minimum_host_memory)
+      throw user_error("host_memory: " + format_bytes(double(host_memory)) + " is below the minimum of " +
+                       format_bytes(double(minimum_host_memory)) + " (four sub-groups of a page per state buffer)");
+    host_memory_ = host_memory / block_alignment * block_alignment;
+    const std::uint64_t sub_group = host_memory_ / sub_groups_in_budget / block_alignment * block_alignment;
+    tiers::store_config config;
+    config.host = tiers::host_tier_options{.budget = host_memory_};
+    config.nvme = tiers::nvme_tier_options{.directory = nvme_dir,
+                                           .budget = unbounded_nvme,
+                                           .file_size = std::max<std::uint64_t>(aligned_size(file_size), block_alignment)};
+    config.store.trace = false;  // a trace grows with every transfer: not for a training run's life
+    nb::gil_scoped_release unlocked;  // maps and touches the host budget, opens the directory
+    store_ = tiers::make_store(std::move(config));
+    state_ = std::make_unique<streamed_state>(*store_, key_names, streamed_state_options{.sub_group_bytes = sub_group});
+    nvme_dir_ = nvme_dir;
+  }
+
+  ~offloaded_adam() {
+    nb::gil_scoped_release unlocked;  // the store waits for the transfers in flight, then removes its files
+    state_.reset();
+    store_.reset();
+  }
+  offloaded_adam(const offloaded_adam&) = delete;
+  offloaded_adam& operator=(const offloaded_adam&) = delete;
+
+  // Registers a parameter of `elements` and makes its state's blocks on NVMe.
+  std::size_t add_param(std::uint64_t elements, bool has_master, bool amsgrad) {
+    std::lock_guard lock(mutex_);
+    require_open();
+    std::vector<std::size_t> keys;
+    if (has_master) keys.push_back(master);
+    keys.insert(keys.end(), {exp_avg, exp_avg_sq});
+    if (amsgrad) keys.push_back(max_exp_avg_sq);
+    // A fresh name each time: a registration that failed (ENOSPC) may have
+    // left some of its blocks behind under the name it tried.
+    const std::string name = "p" + std::to_string(attempts_++);
+    std::size_t tensor = 0;
+    {
+      nb::gil_scoped_release unlocked;  // preallocates files
+      tensor = state_->add_tensor(name, elements, keys);
+    }
+    slots_.push_back({tensor, has_master});
+    return slots_.size() - 1;
+  }
+
+  // One step; see the docstring in bind_offloaded_adam.
+  void step(optim::executor& ex, const nb::list& entries, const nb::list& groups) {
+    std::vector<hyper_parameters> hyper;
+    for (nb::handle g : groups) hyper.push_back(parse_group(g));
+    std::vector<optim::adam_optimizer> kernels;
+    for (const auto& h : hyper) kernels.emplace_back(h.options);  // validates them
+
+    // The views, kept alive (and released) with the GIL held.
+    std::vector<buffer> params;
+    std::vector<const_buffer> grads;
+    std::vector<step_entry> work;
+    std::vector<bool> seen(slots_.size(), false);
+    for (nb::handle item : entries) {
+      const auto t = nb::cast<nb::tuple>(item);
+      if (t.size() != 5) throw user_error("entries: (slot, param, grad, step, group) tuples expected");
+      step_entry e;
+      e.slot = nb::cast<std::size_t>(t[0]);
+      // No implicit conversion: a copy made here would be updated instead of the tensor.
+      try {
+        params.push_back(nb::cast<buffer>(t[1], false));
+        grads.push_back(nb::cast<const_buffer>(t[2], false));
+      } catch (const nb::cast_error&) {
+        throw user_error("slot " + std::to_string(e.slot) +
+                         ": param and grad must be C-contiguous CPU tensors (DLPack views, never copied)");
+      }
+      e.step = nb::cast<std::int64_t>(t[3]);
+      e.group = nb::cast<std::size_t>(t[4]);
+      e.param = view_of(params.back(), "param");
+      e.grad = view_of(grads.back(), "grad");
+      check_entry(e, hyper.size());
+      if (seen[e.slot]) throw user_error("entries: slot " + std::to_string(e.slot) + " is stepped twice");
+      seen[e.slot] = true;
+      work.push_back(e);
+    }
+
+    nb::gil_scoped_release unlocked;  // the whole step, every chunk of every parameter
+    std::lock_guard lock(mutex_);
+    require_open();
+    std::vector<streamed_state::pass_item> items;
+    for (const step_entry& e : work) {
+      const slot_record& s = slots_[e.slot];
+      // amsgrad turned on for a parameter registered without it: its buffer
+      // now, before any parameter is touched (ENOSPC here changes nothing).
+      if (hyper[e.group].options.amsgrad == optim::amsgrad::on) state_->add_key(s.tensor, max_exp_avg_sq);
+      streamed_state::pass_item item{s.tensor, {}};
+      auto add = [&](std::size_t k) { item.keys.emplace_back(k, all_fresh(s.tensor, k) ? access::overwrite : access::write); };
+      if (s.has_master) add(master);
+      add(exp_avg);
+      add(exp_avg_sq);
+      if (hyper[e.group].options.amsgrad == optim::amsgrad::on) add(max_exp_avg_sq);
+      items.push_back(std::move(item));
+    }
+    state_->stream(items, [&](const streamed_chunk& c) {
+      const step_entry& e = work[c.item];
+      const slot_record& s = slots_[e.slot];
+      const std::size_t n = c.elements;
+      const std::size_t first = c.first;
+      // The chunk's keys, in the order `items` asked for them.
+      std::size_t next = 0;
+      std::span<float> m, v, vmax, p;
+      const bool amsgrad = hyper[e.group].options.amsgrad == optim::amsgrad::on;
+      if (s.has_master) p = c.buffers[next++];
+      m = c.buffers[next++];
+      v = c.buffers[next++];
+      if (amsgrad) vmax = c.buffers[next++];
+      // Fresh buffers (never written): the state torch starts a parameter with.
+      if (s.has_master && state_->chunk_fresh(s.tensor, master, c.chunk))
+        optim::widen_gradient(ex, element(e.param, first), e.param.type, p.data(), n);
+      for (auto [k, span] : {std::pair{exp_avg, m}, std::pair{exp_avg_sq, v}, std::pair{max_exp_avg_sq, vmax}}) {
+        if (!span.empty() && state_->chunk_fresh(s.tensor, k, c.chunk)) std::fill(span.begin(), span.end(), 0.0f);
+      }
+      optim::adam_sub_group g;
+      g.param = s.has_master ? p : std::span<float>(static_cast<float*>(e.param.data) + first, n);
+      g.grad = {element(e.grad, first), n, e.grad.type};
+      g.exp_avg = optim::fp32_ref(m);
+      g.exp_avg_sq = optim::fp32_ref(v);
+      if (amsgrad) g.max_exp_avg_sq = optim::fp32_ref(vmax);
+      if (s.has_master) g.param_copy = {element(e.param, first), n, e.param.type};
+      kernels[e.group].step(ex, g, {.step = e.step, .objective = hyper[e.group].objective});
+    });
+  }
+
+  // Copies `key` of `slot` into `out` (fp32, its element count); chunks never
+  // written read as the state a first step starts from: zeros, or for the
+  // master `param` widened (required then).
+  void read(std::size_t slot, const std::string& key_name, buffer out, std::optional<const_buffer> param) {
+    const std::size_t k = key_of(key_name);
+    const optim::tensor_ref to = view_of(out, "out");
+    const optim::const_tensor_ref from = param ? view_of(*param, "param") : optim::const_tensor_ref{};
+    nb::gil_scoped_release unlocked;
+    std::lock_guard lock(mutex_);
+    require_open();
+    const slot_record& s = slot_at(slot);
+    check_size(to, s.tensor, "out", dtype::fp32);
+    if (!state_->has_key(s.tensor, k)) throw user_error("slot " + std::to_string(slot) + " has no " + key_name);
+    if (k == master && any_fresh(s.tensor, k) && from.empty())
+      throw user_error("master_param: not written yet; give the parameter it starts from");
+    if (!from.empty()) check_size(from, s.tensor, "param", std::nullopt);
+    optim::executor one(1);
+    const streamed_state::pass_item item{s.tensor, {{k, access::read}}};
+    state_->stream({&item, 1}, [&](const streamed_chunk& c) {
+      float* dst = static_cast<float*>(to.data) + c.first;
+      if (!state_->chunk_fresh(s.tensor, k, c.chunk)) {
+        std::memcpy(dst, c.buffers[0].data(), c.elements * sizeof(float));
+      } else if (k == master) {
+        optim::widen_gradient(one, element(from, c.first), from.type, dst, c.elements);
+      } else {
+        std::fill(dst, dst + c.elements, 0.0f);
+      }
+    });
+  }
+
+  // Writes `in` (fp32, the element count of `slot`) as its `key`, giving the
+  // parameter that key's buffer if it had none.
+  void write(std::size_t slot, const std::string& key_name, const_buffer in) {
+    const std::size_t k = key_of(key_name);
+    const optim::const_tensor_ref from = view_of(in, "in");
+    nb::gil_scoped_release unlocked;
+    std::lock_guard lock(mutex_);
+    require_open();
+    const slot_record& s = slot_at(slot);
+    check_size(from, s.tensor, "in", dtype::fp32);
+    if (k == master && !s.has_master) throw user_error("master_param: a float32 parameter keeps no master");
+    state_->add_key(s.tensor, k);
+    const streamed_state::pass_item item{s.tensor, {{k, access::overwrite}}};
+    state_->stream({&item, 1}, [&](const streamed_chunk& c) {
+      std::memcpy(c.buffers[0].data(), static_cast<const float*>(from.data) + c.first, c.elements * sizeof(float));
+    });
+  }
+
+  // Makes `key` of `slot` fresh: the next step starts it as torch would.
+  void forget(std::size_t slot, const std::string& key_name) {
+    const std::size_t k = key_of(key_name);
+    std::lock_guard lock(mutex_);
+    require_open();
+    state_->forget(slot_at(slot).tensor, k);
+  }
+
+  // Whether `key` of `slot` has state (some chunk was written).
+  bool has(std::size_t slot, const std::string& key_name) {
+    const std::size_t k = key_of(key_name);
+    std::lock_guard lock(mutex_);
+    require_open();
+    return state_->any_written(slot_at(slot).tensor, k);
+  }
+
+  // Reads and writes back every written buffer with no update: the I/O of a
+  // step alone. Returns its seconds.
+  double stream_without_update() {
+    nb::gil_scoped_release unlocked;
+    std::lock_guard lock(mutex_);
+    require_open();
+    std::vector<streamed_state::pass_item> items;
+    for (const slot_record& s : slots_) {
+      streamed_state::pass_item item{s.tensor, {}};
+      for (std::size_t k = 0; k < key_count; ++k) {
+        if (state_->has_key(s.tensor, k) && state_->any_written(s.tensor, k) && !any_fresh(s.tensor, k))
+          item.keys.emplace_back(k, access::write);
+      }
+      if (!item.keys.empty()) items.push_back(std::move(item));
+    }
+    const auto stats = state_->stream(items, [](const streamed_chunk&) {});
+    return std::chrono::duration<double>(stats.total).count();
+  }
+
+  // Every block of the state into a crash-safe checkpoint in `directory`
+  // (tiers/checkpoint.hpp), read through the host budget; returns its generation.
+  std::uint64_t save(const std::string& directory) {
+    nb::gil_scoped_release unlocked;
+    std::lock_guard lock(mutex_);
+    require_open();
+    return tiers::write_checkpoint(*store_, directory).generation;
+  }
+
+  // Restores the checkpoint of generation `generation` in `directory` into the
+  // state's blocks (verified first: nothing changes when it is refused), and
+  // sends them home.
+  void load(const std::string& directory, std::uint64_t generation) {
+    nb::gil_scoped_release unlocked;
+    std::lock_guard lock(mutex_);
+    require_open();
+    const std::uint64_t found = tiers::read_checkpoint_manifest(directory).generation;
+    if (found != generation)
+      throw user_error("load_state: " + directory + " holds checkpoint " + std::to_string(found) +
+                       " of the state, not " + std::to_string(generation) +
+                       " (a save interrupted between its two files)");
+    tiers::restore_checkpoint(*store_, directory);
+    store_->flush();
+  }
+
+  // Per slot: (elements, has a master, the keys it has).
+  std::vector<std::tuple<std::uint64_t, bool, std::vector<std::string>>> layout() {
+    std::lock_guard lock(mutex_);
+    require_open();
+    std::vector<std::tuple<std::uint64_t, bool, std::vector<std::string>>> out;
+    for (const slot_record& s : slots_) {
+      std::vector<std::string> keys;
+      for (std::size_t k = 0; k < key_count; ++k) {
+        if (state_->has_key(s.tensor, k)) keys.push_back(key_names[k]);
+      }
+      out.emplace_back(state_->elements(s.tensor), s.has_master, std::move(keys));
+    }
+    return out;
+  }
+
+  std::vector<bool> fresh_chunks(std::size_t slot, const std::string& key_name) {
+    const std::size_t k = key_of(key_name);
+    std::lock_guard lock(mutex_);
+    require_open();
+    return state_->fresh_chunks(slot_at(slot).tensor, k);
+  }
+
+  void set_fresh_chunks(std::size_t slot, const std::string& key_name, std::vector<bool> fresh) {
+    const std::size_t k = key_of(key_name);
+    std::lock_guard lock(mutex_);
+    require_open();
+    state_->set_fresh_chunks(slot_at(slot).tensor, k, std::move(fresh));
+  }
+
+  // Flushes and closes the store and removes its files. Idempotent.
+  void close() {
+    nb::gil_scoped_release unlocked;
+    std::lock_guard lock(mutex_);
+    if (!store_) return;
+    store_->close();
+    state_.reset();
+    store_.reset();
+  }
+
+  nb::dict telemetry() {
+    std::string json;
+    {
+      std::lock_guard lock(mutex_);
+      require_open();
+      json = store_->telemetry_json();
+    }
+    return nb::cast<nb::dict>(nb::module_::import_("json").attr("loads")(json));
+  }
+
+  std::uint64_t host_memory() const noexcept { return host_memory_; }
+  std::uint64_t sub_group_bytes() {
+    std::lock_guard lock(mutex_);
+    require_open();
+    return state_->sub_group_bytes();
+  }
+  std::uint64_t nvme_bytes() {
+    std::lock_guard lock(mutex_);
+    require_open();
+    return state_->home_bytes();
+  }
+  const std::string& nvme_dir() const noexcept { return nvme_dir_; }
+  bool closed() {
+    std::lock_guard lock(mutex_);
+    return !store_;
+  }
+  std::size_t slot_count() {
+    std::lock_guard lock(mutex_);
+    return slots_.size();
+  }
+
+ private:
+  struct slot_record {
+    std::size_t tensor = 0;
+    bool has_master = false;
+  };
+
+  static const void* element(const optim::const_tensor_ref& t, std::size_t first) {
+    return static_cast<const std::byte*>(t.data) + first * size_of(t.type);
+  }
+  static void* element(const optim::tensor_ref& t, std::size_t first) {
+    return static_cast<std::byte*>(t.data) + first * size_of(t.type);
+  }
+
+  hyper_parameters parse_group(nb::handle g) const {
+    const auto t = nb::cast<nb::tuple>(g);
+    if (t.size() != 8)
+      throw user_error("groups: (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize) tuples expected");
+    hyper_parameters h;
+    h.options = {.lr = nb::cast<float>(t[0]), .beta1 = nb::cast<float>(t[1]), .beta2 = nb::cast<float>(t[2]),
+                 .eps = nb::cast<float>(t[3]), .weight_decay = nb::cast<float>(t[4]),
+                 .decay = nb::cast<bool>(t[5]) ? optim::weight_decay_mode::decoupled : optim::weight_decay_mode::l2,
+                 .amsgrad = nb::cast<bool>(t[6]) ? optim::amsgrad::on : optim::amsgrad::off};
+    h.objective = nb::cast<bool>(t[7]) ? optim::objective::maximize : optim::objective::minimize;
+    return h;
+  }
+
+  void check_entry(const step_entry& e, std::size_t groups) {
+    std::lock_guard lock(mutex_);
+    require_open();
+    const slot_record& s = slot_at(e.slot);
+    const std::string what = "slot " + std::to_string(e.slot);
+    if (s.has_master == (e.param.type == dtype::fp32))
+      throw user_error(what + ": param is " + std::string(name(e.param.type)) + ", registered as " +
+                       (s.has_master ? "bf16/fp16 (with an fp32 master)" : "fp32"));
+    check_size(e.param, s.tensor, what + " param", std::nullopt);
+    check_size(e.grad, s.tensor, what + " grad", std::nullopt);
+    if (e.step < 1) throw user_error(what + ": step must be >= 1, got " + std::to_string(e.step));
+    if (e.group >= groups) throw user_error(what + ": no group " + std::to_string(e.group));
+  }
+
+  void check_size(const optim::const_tensor_ref& t, std::size_t tensor, const std::string& what,
+                  std::optional<dtype> type) const {
+    if (type && t.type != *type) throw user_error(what + ": float32 expected, got " + std::string(name(t.type)));
+    if (t.size != state_->elements(tensor))
+      throw user_error(what + ": " + std::to_string(t.size) + " elements, the parameter has " +
+                       std::to_string(state_->elements(tensor)));
+    if (t.size != 0 && reinterpret_cast<std::uintptr_t>(t.data) % size_of(t.type) != 0)
+      throw user_error(what + ": misaligned for its dtype");
+  }
+
+  const slot_record& slot_at(std::size_t slot) const {
+    if (slot >= slots_.size())
+      throw user_error("slot " + std::to_string(slot) + ": " + std::to_string(slots_.size()) + " registered");
+    return slots_[slot];
+  }
+
+  bool all_fresh(std::size_t tensor, std::size_t k) const {
+    for (std::size_t c = 0; c < state_->chunk_count(tensor); ++c) {
+      if (!state_->chunk_fresh(tensor, k, c)) return false;
+    }
+    return true;
+  }
+  bool any_fresh(std::size_t tensor, std::size_t k) const {
+    for (std::size_t c = 0; c < state_->chunk_count(tensor); ++c) {
+      if (state_->chunk_fresh(tensor, k, c)) return true;
+    }
+    return false;
+  }
+
+  void require_open() const {
+    if (!store_) throw user_error("the optimizer's NVMe state was closed");
+  }
+
+  std::mutex mutex_;  // one step, read or write at a time (taken with the GIL released)
+  std::unique_ptr<block_store> store_;
+  std::unique_ptr<streamed_state> state_;  // over *store_
+  std::vector<slot_record> slots_;
+  std::size_t attempts_ = 0;
+  std::uint64_t host_memory_ = 0;
+  std::string nvme_dir_;
+};
+
+}  // namespace
+
+void bind_offloaded_adam(nb::module_& m) {
+  nb::class_<offloaded_adam>(m, "OffloadedAdam",
+      "Adam/AdamW state (fp32 master, exp_avg, exp_avg_sq, max_exp_avg_sq) in files of the\n"
+      "directory `nvme_dir` (made 0700 when missing; its parent must exist), streamed through\n"
+      "a pinned host budget of `host_memory` bytes (rounded down to 4 KiB, at least 64 KiB) in\n"
+      "sub-groups of a quarter of it; files are preallocated `file_size` bytes at a time and\n"
+      "removed by close() or when the object is freed. Raises TierflowError (an OSError with\n"
+      "errno and filename) when the directory cannot be made or written, or the disk is full.")
+      .def(nb::init<const std::string&, const std::variant<std::uint64_t, std::string>&, std::uint64_t>(),
+           "nvme_dir"_a, "host_memory"_a,
+           "file_size"_a = 256ull << 20)
+      .def("add_param", &offloaded_adam::add_param, "elements"_a, "master"_a, "amsgrad"_a,
+           "Registers a parameter of `elements` (master: it is bf16/fp16 and keeps an fp32\n"
+           "master) and preallocates its state's blocks; returns its slot. ENOSPC raises\n"
+           "TierflowError and registers nothing.")
+      .def("step", &offloaded_adam::step, "executor"_a, "entries"_a, "groups"_a,
+           "One Adam/AdamW step over `entries`, (slot, param, grad, step, group) tuples, with\n"
+           "`groups[group]` = (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize):\n"
+           "every chunk of every parameter's state read from NVMe, updated by the fused kernel\n"
+           "with the parameter and gradient read and written where they are (C-contiguous CPU\n"
+           "buffers, never copied; a bf16/fp16 param is written from its master), and written\n"
+           "back, pipelined. A state buffer never written starts as torch's (zeros; the master\n"
+           "from the parameter). Everything is checked before anything is written (ValueError);\n"
+           "an I/O error mid-step leaves the chunks before it stepped. Releases the GIL.")
+      .def("read", &offloaded_adam::read, "slot"_a, "key"_a, "out"_a.noconvert(),
+           "param"_a.noconvert().none() = nb::none(),
+           "Copies state `key` of `slot` into `out` (float32, the parameter's element count),\n"
+           "through the host budget; never-written chunks read as zeros (the master: `param`).")
+      .def("write", &offloaded_adam::write, "slot"_a, "key"_a, "data"_a.noconvert(),
+           "Writes `data` (float32, the parameter's element count) as state `key` of `slot`.")
+      .def("forget", &offloaded_adam::forget, "slot"_a, "key"_a,
+           "Marks state `key` of `slot` never written: the next step starts it as torch would.")
+      .def("has", &offloaded_adam::has, "slot"_a, "key"_a, "Whether state `key` of `slot` was written.")
+      .def("stream_without_update", &offloaded_adam::stream_without_update,
+           "Reads and writes back all the written state with no update (a step's I/O alone);\n"
+           "returns the seconds it took.")
+      .def("save", &offloaded_adam::save, "directory"_a,
+           "Writes every state block into tierflow's crash-safe checkpoint in `directory`\n"
+           "(manifest.json and blocks-<n>.bin, checksummed), through the host budget; returns\n"
+           "its generation.")
+      .def("load", &offloaded_adam::load, "directory"_a, "generation"_a,
+           "Restores checkpoint `generation` of `directory` (written by save() of an optimizer\n"
+           "of the same layout) into the state, through the host budget; refuses (nothing\n"
+           "changed) another generation, a corrupt checkpoint or one of other blocks.")
+      .def("layout", &offloaded_adam::layout, "Per slot: (elements, has a master, its state keys).")
+      .def("fresh_chunks", &offloaded_adam::fresh_chunks, "slot"_a, "key"_a,
+           "Per chunk of state `key` of `slot`: whether it was never written.")
+      .def("set_fresh_chunks", &offloaded_adam::set_fresh_chunks, "slot"_a, "key"_a, "fresh"_a,
+           "Declares which chunks of state `key` of `slot` were never written (after load()).")
+      .def("close", &offloaded_adam::close, "Flushes, then removes the state's files. Idempotent.")
+      .def("telemetry", &offloaded_adam::telemetry, "The store's counters, per tier and link.")
+      .def_prop_ro("host_memory", &offloaded_adam::host_memory)
+      .def_prop_ro("sub_group_bytes", &offloaded_adam::sub_group_bytes)
+      .def_prop_ro("nvme_bytes", &offloaded_adam::nvme_bytes)
+      .def_prop_ro("nvme_dir", &offloaded_adam::nvme_dir)
+      .def_prop_ro("closed", &offloaded_adam::closed)
+      .def_prop_ro("slot_count", &offloaded_adam::slot_count);
+}
+
+}  // namespace tierflow::python
