@@ -1,4 +1,6 @@
-"""Adam and AdamW for torch whose step runs in tierflow's fused CPU kernel.
+"""Adam and AdamW for torch whose step runs in tierflow's fused CPU kernel,
+with the optimizer state in host memory (``offload="cpu"``) or on NVMe
+(``offload="nvme"``), streamed through a bounded host budget.
 
 The classes are ``torch.optim.Optimizer`` subclasses with torch.optim.Adam's
 and AdamW's signatures, defaults, validation and state layout, so LR
@@ -8,7 +10,8 @@ torch's own, and state_dicts load both ways between them and torch.optim.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import os
+from typing import Any, Callable, Literal
 
 import torch
 from torch import Tensor
@@ -144,8 +147,47 @@ def adam(
             param.copy_(copy)
 
 
+# offload="nvme": the host budget holds four sub-groups (one updating, two
+# loading, one being written back); without host_memory, the state's own size
+# up to four sub-groups of 64 MiB, and at least the 64 KiB minimum.
+_SUB_GROUPS_IN_BUDGET = 4
+_DEFAULT_SUB_GROUP_BYTES = 64 << 20
+_MIN_HOST_MEMORY = 64 << 10
+_PAGE = 4096
+_MAX_FILE_BYTES = 256 << 20
+_OFFLOADS = ("cpu", "nvme")
+
+
+def _state_bytes(p: Tensor, amsgrad: bool) -> int:
+    """The bytes of a parameter's fp32 state: the moments, the amsgrad maximum
+    and the master of a low-precision parameter."""
+    buffers = 2 + int(amsgrad) + int(p.dtype in _LOW_PRECISION)
+    return p.numel() * 4 * buffers
+
+
+def _check_offload(offload: Any, nvme_dir: Any, host_memory: Any) -> None:
+    if offload not in _OFFLOADS:
+        raise ValueError(f"Invalid offload: {offload!r} (one of 'cpu', 'nvme')")
+    if offload == "cpu":
+        for name, value in (("nvme_dir", nvme_dir), ("host_memory", host_memory)):
+            if value is not None:
+                raise ValueError(f"{name} is used only with offload='nvme' (got offload='cpu')")
+        return
+    if nvme_dir is None:
+        raise ValueError("nvme_dir: offload='nvme' needs the directory its state files go in")
+    if not isinstance(nvme_dir, (str, os.PathLike)):
+        raise ValueError(f"Invalid nvme_dir: {nvme_dir!r} (a path)")
+    if host_memory is None or isinstance(host_memory, str):
+        return  # a size such as "2G" is read by the extension, as the CLI reads its flags
+    if isinstance(host_memory, bool) or not isinstance(host_memory, int):
+        raise ValueError(f"Invalid host_memory: {host_memory!r} (bytes, a size such as '2G', or None)")
+    if host_memory < _MIN_HOST_MEMORY:
+        raise ValueError(f"Invalid host_memory: {host_memory} (at least {_MIN_HOST_MEMORY} bytes)")
+
+
 class Adam(Optimizer):
-    r"""torch.optim.Adam with its step in tierflow's fused CPU kernel.
+    r"""torch.optim.Adam with its step in tierflow's fused CPU kernel, and its
+    state in host memory or on NVMe.
 
     The update, for each parameter :math:`\theta` with gradient :math:`g`
     (negated with ``maximize``), at step :math:`t`:
@@ -164,11 +206,34 @@ class Adam(Optimizer):
     Arguments are torch.optim.Adam's, with its defaults and error messages.
     ``foreach`` and ``fused`` are accepted and recorded (they choose one of
     torch's implementations, not a result): tierflow's step is always one fused
-    pass per parameter. ``capturable=True`` and ``differentiable=True`` are
-    refused with ValueError. tierflow's own arguments:
+    pass per parameter (per chunk of it with ``offload="nvme"``), whatever they
+    say. ``capturable=True`` and ``differentiable=True`` are refused with
+    ValueError. tierflow's own arguments (keyword-only):
 
-    * ``offload``: where the optimizer state lives; ``"cpu"`` (this version
-      keeps it in host memory beside the parameters).
+    * ``offload``: where the optimizer state lives. ``"cpu"`` (the default):
+      torch tensors in host memory beside the parameters. ``"nvme"``: blocks
+      of files in ``nvme_dir``, streamed through ``host_memory`` bytes of pinned
+      host memory at each step (below).
+    * ``nvme_dir``: with ``offload="nvme"``, the directory the state's files
+      (``tierflow-<pid>-<n>.nvme``, mode 0600) are made in; created (0700) when
+      missing, its parent must exist. Use a directory on a fast local NVMe
+      drive. The files are preallocated at construction (and by
+      ``add_param_group``) for every parameter given, so a full disk fails
+      there rather than in the middle of training, and are removed by
+      :meth:`close` or when the optimizer is freed; the directory is left. They
+      are scratch, not a checkpoint: resume from :meth:`state_dict`, loaded
+      with :meth:`load_state_dict` into a new optimizer.
+    * ``host_memory``: with ``offload="nvme"``, the host memory the state
+      streams through, in bytes or as a size such as ``"512M"`` or ``"2G"``
+      (at least 64 KiB, rounded down to 4 KiB). It is one pinned region mapped
+      at construction, and the optimizer holds no more state than it in host
+      memory, whatever the size of the state or of a tensor: tensors are cut
+      into chunks so that one chunk of all of a parameter's state buffers (a
+      sub-group) is a quarter of ``host_memory``, and the step keeps four
+      sub-groups in it: one updating, two being read, one being written back.
+      Default: the state's size, capped at 256 MiB (four 64 MiB sub-groups).
+      Larger sub-groups mean larger, faster I/O; a smaller budget only slows
+      the step.
     * ``threads``: the CPU threads of the step; default
       ``torch.get_num_threads()``. The step runs between torch's operations,
       while torch's intra-op threads wait, so the two pools take turns on the
@@ -182,6 +247,23 @@ class Adam(Optimizer):
     the master is made from the parameter and the moments widened to fp32.
     The state is torch's: ``step`` (a float32 scalar tensor), ``exp_avg``,
     ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq``.
+
+    With ``offload="nvme"`` one step is one C++ call over every parameter that
+    has a gradient, with the GIL released: each sub-group is read from NVMe
+    while the one before it is updated and the one before that is written
+    back. The numerics are those of ``offload="cpu"`` (the same kernel, the
+    same bits). Parameters and gradients stay in torch's memory and are read
+    and written there; only ``self.state[p]["step"]`` is kept in Python, and
+    :meth:`state_dict` reads the rest from NVMe into RAM (torch's layout, so a
+    state_dict moves between ``"cpu"``, ``"nvme"`` and torch.optim either
+    way). Errors: a directory that cannot be made or written and a full disk
+    raise :class:`tierflow.TierflowError` (an OSError with ``errno``, e.g.
+    ENOENT, EROFS, ENOSPC, and ``filename``) at construction or in
+    ``add_param_group``, which then adds nothing (space already preallocated
+    for it stays reserved until :meth:`close`). A step checks every parameter
+    and gradient before it writes anything (ValueError changes nothing); an I/O
+    error in the middle of a step (EIO from the drive) leaves the chunks
+    before it stepped and the rest not, and names the block and file.
     """
 
     def __init__(
@@ -199,17 +281,20 @@ class Adam(Optimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         decoupled_weight_decay: bool = False,
-        offload: str = "cpu",
+        offload: Literal["cpu", "nvme"] = "cpu",
+        nvme_dir: str | os.PathLike | None = None,
+        host_memory: int | str | None = None,
         threads: int | None = None,
     ) -> None:
         _check_hyper_parameters(lr, betas, eps, weight_decay, foreach, capturable)
-        if offload != "cpu":
-            raise ValueError(f"Invalid offload: {offload!r} (this version keeps the state on 'cpu')")
+        _check_offload(offload, nvme_dir, host_memory)
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"Invalid threads: {threads!r} (a positive int, or None)")
         self.offload = offload
         self.threads = threads if threads is not None else torch.get_num_threads()
         self._executor = _core.Executor(self.threads)
+        self._nvme: _core.OffloadedAdam | None = None
+        self._slots: dict[Tensor, int] = {}
         defaults = {
             "lr": lr,
             "betas": (_scalar(betas[0]), _scalar(betas[1])),
@@ -224,10 +309,67 @@ class Adam(Optimizer):
             "decoupled_weight_decay": decoupled_weight_decay,
         }
         super().__init__(params, defaults)
+        if offload == "nvme":
+            self._open_nvme(os.fspath(nvme_dir), host_memory)
+
+    def _open_nvme(self, nvme_dir: str, host_memory: int | str | None) -> None:
+        """Makes the store and preallocates every parameter's state."""
+        total = sum(_state_bytes(p, g["amsgrad"]) for g in self.param_groups for p in g["params"])
+        if host_memory is None:
+            host_memory = min(_SUB_GROUPS_IN_BUDGET * _DEFAULT_SUB_GROUP_BYTES,
+                              max(_MIN_HOST_MEMORY, -(-total // _PAGE) * _PAGE))
+        # Files no larger than the state needs (a small model does not
+        # preallocate 256 MiB); a block larger than a file gets a file of its own.
+        file_size = min(_MAX_FILE_BYTES, max(_PAGE, -(-total // _PAGE) * _PAGE))
+        self._nvme = _core.OffloadedAdam(nvme_dir, host_memory, file_size)
+        for group in self.param_groups:
+            self._register(group)
+
+    def _register(self, group: dict[str, Any]) -> None:
+        """Registers the group's parameters in the store: all or none."""
+        added = []
+        try:
+            for p in group["params"]:
+                self._slots[p] = self._nvme.add_param(p.numel(), p.dtype in _LOW_PRECISION,
+                                                      bool(group["amsgrad"]))
+                added.append(p)
+        except BaseException:
+            for p in added:
+                del self._slots[p]
+            raise
+
+    @property
+    def nvme_dir(self) -> str | None:
+        """The directory of the state's files (offload="nvme"), else None."""
+        return None if self._nvme is None else self._nvme.nvme_dir
+
+    @property
+    def host_memory(self) -> int | None:
+        """The host budget the state streams through, in bytes (offload="nvme"), else None."""
+        return None if self._nvme is None else self._nvme.host_memory
+
+    def telemetry(self) -> dict | None:
+        """With offload="nvme", the store's counters: per tier its budget, use
+        and high-water mark (``tiers[k]["high_water_bytes"]``), per link the
+        bytes moved; None with offload="cpu"."""
+        return None if self._nvme is None else self._nvme.telemetry()
+
+    def close(self) -> None:
+        """With offload="nvme", writes nothing more, removes the state's files
+        and frees the host budget: the optimizer cannot step or give its state
+        afterwards (take :meth:`state_dict` first to keep it). Freeing the
+        optimizer does the same. Does nothing with offload="cpu"."""
+        if self._nvme is not None:
+            self._nvme.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["tierflow"] = {"offload": self.offload, "threads": self.threads}
+        own = {"offload": self.offload, "threads": self.threads}
+        if self._nvme is not None:  # a copy or a pickle carries the state itself
+            own["nvme_dir"], own["host_memory"] = self._nvme.nvme_dir, self._nvme.host_memory
+            own["nvme_state"] = {p: self._read_state(p, g) for g in self.param_groups
+                                 for p in g["params"] if p in self.state}
+        state["tierflow"] = own
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -241,26 +383,162 @@ class Adam(Optimizer):
             group.setdefault("differentiable", False)
             group.setdefault("decoupled_weight_decay", False)
             group.setdefault("fused", None)
-        if own is not None:  # unpickled: the executor is made again
+        if own is not None:  # unpickled: the executor (and the NVMe state) are made again
             self.offload, self.threads = own["offload"], own["threads"]
             self._executor = _core.Executor(self.threads)
+            self._nvme, self._slots = None, {}
+            if self.offload == "nvme":
+                self._open_nvme(own["nvme_dir"], own["host_memory"])
+                for p, saved in own["nvme_state"].items():
+                    self._write_state(p, saved)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        _check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                                group["foreach"], group["capturable"])
-        _check_group(group)
+        try:
+            _check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                                    group["foreach"], group["capturable"])
+            _check_group(group)
+            if getattr(self, "_nvme", None) is not None:  # (during __init__, _open_nvme does it)
+                self._register(group)
+        except BaseException:
+            self.param_groups.pop()
+            raise
+
+    def _read_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        """p's state from NVMe, as torch tensors of p's shape (in RAM)."""
+        slot = self._slots[p]
+        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        if p.dtype in _LOW_PRECISION:
+            keys.append(MASTER_KEY)
+        out = {}
+        for key in keys:
+            value = torch.empty(p.shape, dtype=torch.float32)
+            if key == MASTER_KEY:
+                self._nvme.read(slot, key, value, _kernel_view(p).contiguous())
+            elif self._nvme.has(slot, key):
+                self._nvme.read(slot, key, value)
+            else:  # amsgrad turned on since p's last step: torch's start
+                value.zero_()
+            out[key] = value
+        return out
+
+    def _write_state(self, p: Tensor, saved: dict[str, Any]) -> None:
+        """Writes p's state tensors in `saved` to NVMe; a key absent (or a
+        master that does not round to p) starts again as torch would."""
+        slot = self._slots[p]
+        for key in _FP32_STATE:
+            value = saved.get(key)
+            if key == MASTER_KEY and p.dtype not in _LOW_PRECISION:
+                continue
+            if not torch.is_tensor(value):
+                self._nvme.forget(slot, key)
+                continue
+            value = value.detach().to(device="cpu", dtype=torch.float32, memory_format=torch.contiguous_format)
+            # A master carried, untouched, through an optimizer that updated
+            # the parameter alone (torch.optim's) is made again from it.
+            if key == MASTER_KEY and not torch.equal(value.view(p.shape).to(p.dtype), p.detach()):
+                self._nvme.forget(slot, key)
+                continue
+            self._nvme.write(slot, key, value)
+
+    def _layout(self) -> dict[str, Any]:
+        """What the NVMe state's blocks are: checked by load_state()."""
+        return {"host_memory": self._nvme.host_memory,
+                "slots": [self._slots[p] for g in self.param_groups for p in g["params"]],
+                "state": [list(entry) for entry in self._nvme.layout()]}
+
+    def save_state(self, directory: str | os.PathLike) -> None:
+        """With offload="nvme", saves the optimizer into ``directory`` (made
+        0700 when missing) without reading its state into RAM: every block of
+        the state goes through the host budget into tierflow's crash-safe
+        checkpoint there (``manifest.json`` and ``blocks-<n>.bin``, each block
+        checksummed; a new save replaces the last one), and the rest (param
+        groups, step counts, which buffers hold state) into ``optimizer.pt``
+        beside it. :meth:`load_state` of that directory into an optimizer made
+        with the same parameters, ``host_memory`` and amsgrad resumes it. A
+        save interrupted by a crash is refused by load_state (its two parts'
+        generations differ). With offload="cpu", ``torch.save(state_dict())``."""
+        if self._nvme is None:
+            raise ValueError("save_state: the state is not on NVMe (offload='cpu'); torch.save(state_dict()) saves it")
+        directory = os.fspath(directory)
+        own = {"layout": self._layout(),
+               "fresh": {slot: {key: self._nvme.fresh_chunks(slot, key) for key in keys}
+                         for slot, (_, _, keys) in enumerate(self._nvme.layout())}}
+        own["generation"] = self._nvme.save(directory)
+        meta = Optimizer.state_dict(self)  # param_groups, and the steps: all self.state holds
+        meta["tierflow"] = own
+        path = os.path.join(directory, "optimizer.pt")
+        torch.save(meta, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def load_state(self, directory: str | os.PathLike) -> None:
+        """With offload="nvme", resumes what :meth:`save_state` saved in
+        ``directory``: the state's blocks are verified, then written through the
+        host budget (never the whole state in RAM). Raises ValueError when the
+        directory holds another optimizer's layout (other parameters,
+        host_memory or amsgrad) or an interrupted save, and
+        :class:`tierflow.TierflowError` when the checkpoint is missing or
+        corrupt; nothing changes then."""
+        if self._nvme is None:
+            raise ValueError("load_state: the state is not on NVMe (offload='cpu'); use load_state_dict()")
+        directory = os.fspath(directory)
+        meta = torch.load(os.path.join(directory, "optimizer.pt"), weights_only=True)
+        own = meta.pop("tierflow")
+        if own["layout"] != self._layout():
+            raise ValueError(f"load_state: {directory} holds the state of another layout (parameters, "
+                             f"host_memory or amsgrad): saved {own['layout']['host_memory']} bytes of "
+                             f"host_memory and {len(own['layout']['state'])} parameters, this optimizer "
+                             f"{self._nvme.host_memory} and {self._nvme.slot_count}")
+        self._nvme.load(directory, own["generation"])
+        Optimizer.load_state_dict(self, meta)
+        for group in self.param_groups:
+            _check_group(group)
+        for slot, keys in own["fresh"].items():
+            for key, fresh in keys.items():
+                self._nvme.set_fresh_chunks(slot, key, fresh)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state_dict. With offload="nvme" the state tensors are read
+        from NVMe into RAM (the whole state, as fp32 tensors: mind its size;
+        :meth:`save_state` saves without that)."""
+        state_dict = super().state_dict()
+        if self._nvme is None:
+            return state_dict
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if index in state_dict["state"]:  # (the dict torch packs is self.state[p] itself)
+                    state_dict["state"][index] = {**state_dict["state"][index], **self._read_state(p, group)}
+                index += 1
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, except that the fp32 master and moments of a bf16/fp16
         parameter stay fp32 (torch's load casts every state tensor to its
         parameter's dtype). A master that does not round to the parameter was
         carried, untouched, through an optimizer that updated the parameter
-        alone (torch.optim's): it is made again from the parameter."""
-        super().load_state_dict(state_dict)
+        alone (torch.optim's): it is made again from the parameter. With
+        offload="nvme" the state tensors are written to NVMe (this is how a new
+        optimizer resumes) and only ``step`` stays in ``self.state``."""
         params = [p for g in self.param_groups for p in g["params"]]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        if self._nvme is not None:
+            for saved_id, p in zip(saved_ids, params):  # refused before anything changes
+                for key, value in state_dict["state"].get(saved_id, {}).items():
+                    if key in _FP32_STATE and torch.is_tensor(value) and value.numel() != p.numel():
+                        raise ValueError(f"state {saved_id} {key}: {value.numel()} elements for a "
+                                         f"parameter of {p.numel()}")
+            stripped = dict(state_dict)
+            stripped["state"] = {i: {k: v for k, v in s.items() if k not in _FP32_STATE}
+                                 for i, s in state_dict["state"].items()}
+            super().load_state_dict(stripped)
+            for group in self.param_groups:
+                _check_group(group)
+            for saved_id, p in zip(saved_ids, params):
+                self._write_state(p, state_dict["state"].get(saved_id, {}))
+            return
+        super().load_state_dict(state_dict)
         for saved_id, p in zip(saved_ids, params):
             saved = state_dict["state"].get(saved_id)
             if p.dtype not in _LOW_PRECISION or saved is None:
@@ -308,6 +586,42 @@ class Adam(Optimizer):
             masters.append(state.get(MASTER_KEY) if low_precision else None)
         return params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters
 
+    def _step_nvme(self) -> None:
+        """One step of every parameter with a gradient, state on NVMe: one C++
+        call (GIL released) that streams every chunk of the state."""
+        entries, hyper, stepped = [], [], []
+        for index, group in enumerate(self.param_groups):
+            _check_group(group)
+            beta1, beta2 = group["betas"]
+            hyper.append((_scalar(group["lr"]), _scalar(beta1), _scalar(beta2), float(group["eps"]),
+                          float(group["weight_decay"]), bool(group["decoupled_weight_decay"]),
+                          bool(group["amsgrad"]), bool(group["maximize"])))
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(
+                        "Adam does not support sparse gradients, please consider SparseAdam instead"
+                    )
+                state = self.state.get(p, {})
+                step = int(state["step"].item()) + 1 if "step" in state else 1
+                grad = _kernel_view(p.grad)
+                if not grad.is_contiguous():
+                    grad = grad.contiguous()
+                # A non-contiguous parameter is stepped in a contiguous copy
+                # and written back: the kernel walks one flat buffer.
+                work = _kernel_view(p) if p.is_contiguous() else p.detach().contiguous()
+                entries.append((self._slots[p], work, grad, step, index))
+                stepped.append((p, work))
+        self._nvme.step(self._executor, entries, hyper)
+        for p, work in stepped:  # the step counts move only once the step is done, as its state
+            if not p.is_contiguous():
+                p.detach().copy_(work)
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] += 1
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step over every parameter that has a gradient; returns the
@@ -316,6 +630,9 @@ class Adam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._nvme is not None:
+            self._step_nvme()
+            return loss
         for group in self.param_groups:
             _check_group(group)
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters = self._init_group(group)
@@ -337,7 +654,8 @@ class Adam(Optimizer):
 
 class AdamW(Adam):
     """torch.optim.AdamW (decoupled weight decay, default 1e-2) with its step in
-    tierflow's fused CPU kernel; everything else as :class:`Adam`."""
+    tierflow's fused CPU kernel; everything else (``offload``, ``nvme_dir``,
+    ``host_memory``, ``threads``) as :class:`Adam`."""
 
     def __init__(
         self,
@@ -353,14 +671,16 @@ class AdamW(Adam):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        offload: str = "cpu",
+        offload: Literal["cpu", "nvme"] = "cpu",
+        nvme_dir: str | os.PathLike | None = None,
+        host_memory: int | str | None = None,
         threads: int | None = None,
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad,
             foreach=foreach, maximize=maximize, capturable=capturable,
             differentiable=differentiable, fused=fused, decoupled_weight_decay=True,
-            offload=offload, threads=threads,
+            offload=offload, nvme_dir=nvme_dir, host_memory=host_memory, threads=threads,
         )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
