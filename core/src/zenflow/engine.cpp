@@ -359,6 +359,7 @@ engine::column_state engine::cross(window& win, std::size_t w, const selection_c
   const std::int64_t device_count = static_cast<std::int64_t>(step_) + (device_updated_ ? 1 : 0);
   std::int64_t host_count = host_step_;
   if (win.steps > 0 && !entering.columns.empty()) {
+    begin_host_step();  // at the window's end: the update below applies the coming host step
     const std::uint64_t rows = weights_[w].rows;
     for_each_packed_run(entering.columns, [&](column_run run, std::size_t at) {
       const std::size_t begin = at * rows, n = (run.end - run.begin) * rows;
@@ -447,6 +448,7 @@ void engine::close_window() {
   // Bounded staleness: a window's CPU step starts only once every earlier
   // window's result is on the device, so at most one window is in flight.
   TF_ASSERT(win.index == applied_window_, "zenflow staleness bound: an earlier window is not applied yet");
+  begin_host_step();  // before the CPU step is run or handed to the engine's thread
   win.host_step = ++host_step_;
   if (!win.runs_fixed) {
     for (const std::size_t w : matrices_) win.runs[w] = owned_by_host_[w];
@@ -620,6 +622,7 @@ void engine::finish() {
     window& win = windows_[current_];
     win.index = next_window_++;
     TF_ASSERT(win.index == applied_window_);
+    begin_host_step();
     win.host_step = ++host_step_;
     for (const std::size_t w : matrices_) win.runs[w] = owned_by_host_[w];
     win.runs_fixed = false;
@@ -627,6 +630,180 @@ void engine::finish() {
     stats_.cpu_steps += 1;
     stats_.cpu_step_time += win.duration;
     apply_window(win);
+  }
+}
+
+void engine::begin_host_step() {
+  // Once per count, on the trainer's thread, while no CPU step runs (every
+  // caller comes after wait_and_apply() or in a step without overlap): the
+  // rule's writes here reach the engine's thread through the hand-off of
+  // the window under mutex_ (close_window()).
+  if (begun_host_step_ == host_step_ + 1) return;
+  begun_host_step_ = host_step_ + 1;
+  rule_.begin_host_step(begun_host_step_);
+}
+
+bool engine::quiet() const {
+  // Every window closed was applied (nothing in flight or waiting), none has
+  // accumulated a step since, and no refresh is half made.
+  return next_window_ == applied_window_ && windows_[0].steps == 0 && windows_[1].steps == 0 &&
+         !device_updated_ && decided_by_ == nullptr && !entered_ && decided_.empty();
+}
+
+void engine::rebase_runs(std::size_t w, std::span<const column_run> runs, const host_buffers& buffers,
+                         std::int64_t from_step, std::int64_t to_step) {
+  // A state never updated is zero at any count; equal counts need nothing.
+  if (from_step <= 0 || to_step <= 0 || from_step == to_step) return;
+  const weight_shape& shape = weights_[w];
+  for (const column_run r : runs) {
+    const std::size_t begin = r.begin * shape.rows, n = (r.end - r.begin) * shape.rows;
+    crossing_args args;
+    args.weight = &shape;
+    args.weight_index = w;
+    args.first_column = r.begin;
+    args.columns = r.end - r.begin;
+    args.state0 = buffers.state0.subspan(begin, n);
+    if (!buffers.state1.empty()) args.state1 = buffers.state1.subspan(begin, n);
+    args.from_step = from_step;
+    args.to_step = to_step;
+    rule_.rebase_state(args);
+  }
+}
+
+engine_checkpoint engine::checkpoint() const {
+  if (!quiet()) throw user_error("zenflow: a checkpoint needs a quiet engine: call finish() first");
+  engine_checkpoint c;
+  c.steps = step_;
+  c.host_steps = host_step_;
+  c.selection_made = selection_made_;
+  for (const column_split& split : splits_) c.selected.emplace_back(split.selected().begin(), split.selected().end());
+  c.trigger = trigger_.save();
+  return c;
+}
+
+namespace {
+
+void copy_floats(std::span<const float> from, std::span<float> to) {
+  TF_ASSERT(from.size() == to.size());
+  // The same buffer on both sides (a host master that is the parameter itself).
+  if (from.data() != to.data() && !from.empty()) std::copy(from.begin(), from.end(), to.begin());
+}
+
+}  // namespace
+
+void engine::read_state(std::span<const host_buffers> out) {
+  if (!quiet()) throw user_error("zenflow: reading the state needs a quiet engine: call finish() first");
+  if (out.size() != weights_.size())
+    throw user_error("zenflow: read_state: " + std::to_string(out.size()) + " buffers for " +
+                     std::to_string(weights_.size()) + " weights");
+  const bool two = rule_.state_count() > 1;
+  for (std::size_t w = 0; w < weights_.size(); ++w) {
+    const std::uint64_t n = weights_[w].elements();
+    if (out[w].param.size() != n || out[w].state0.size() != n || out[w].state1.size() != (two ? n : 0))
+      throw user_error("zenflow: read_state: the buffers of weight \"" + weights_[w].name + "\" are not of its size");
+  }
+  const auto device_count = static_cast<std::int64_t>(step_);
+  // The host's: every column (those the device owns are overwritten below),
+  // its own columns' state rebased to the device's count.
+  host_.for_each(matrices_, [&](std::size_t w, const host_buffers& buffers) {
+    copy_floats(buffers.param, out[w].param);
+    copy_floats(buffers.state0, out[w].state0);
+    if (two) copy_floats(buffers.state1, out[w].state1);
+    rebase_runs(w, owned_by_host_[w], out[w], host_step_, device_count);
+  });
+  // The device's, packed, then put in place.
+  for (std::size_t w = 0; w < weights_.size(); ++w) {
+    const std::span<const std::uint32_t> owned = splits_[w].selected();
+    if (owned.empty()) continue;
+    column_state packed;
+    packed.columns.assign(owned.begin(), owned.end());
+    const std::size_t elements = owned.size() * weights_[w].rows;
+    packed.param.resize(elements);
+    packed.state0.resize(elements);
+    if (two) packed.state1.resize(elements);
+    if (!device_.read_owned(w, packed.view()))
+      throw user_error("zenflow: this device side cannot be read for a checkpoint (no read_owned)");
+    unpack(w, packed, out[w]);
+  }
+}
+
+void engine::restore(const engine_checkpoint& c, std::span<const host_buffers> in,
+                     std::span<const std::int64_t> counts) {
+  if (step_ != 0 || selection_made_ || !quiet())
+    throw user_error("zenflow: restore needs an engine that has run no step");
+  const std::size_t n = weights_.size();
+  if (in.size() != n || counts.size() != n || c.selected.size() != n)
+    throw user_error("zenflow: the checkpoint has " + std::to_string(c.selected.size()) + " weights' selections, " +
+                     std::to_string(in.size()) + " buffers and " + std::to_string(counts.size()) +
+                     " step counts for " + std::to_string(n) + " weights");
+  if (c.host_steps < 0 || static_cast<std::uint64_t>(c.host_steps) > c.steps)
+    throw user_error("zenflow: the checkpoint's host step count " + std::to_string(c.host_steps) +
+                     " is not within its " + std::to_string(c.steps) + " steps");
+  if (c.selection_made && c.steps < schedule_.warm_up_steps)
+    throw user_error("zenflow: the checkpoint has a selection within its warm-up (" + std::to_string(c.steps) +
+                     " of " + std::to_string(schedule_.warm_up_steps) + " steps)");
+  const auto trigger_size = trigger_.weights();
+  if (c.trigger.important.size() != trigger_size || c.trigger.unimportant.size() != trigger_size ||
+      c.trigger.seen.size() != trigger_size)
+    throw user_error("zenflow: the checkpoint's update trigger is not of this engine's " +
+                     std::to_string(trigger_size) + " weights");
+  const bool two = rule_.state_count() > 1;
+  for (std::size_t w = 0; w < n; ++w) {
+    const weight_shape& shape = weights_[w];
+    const std::string name = "zenflow: weight \"" + shape.name + "\"";
+    const std::uint64_t elements = shape.elements();
+    if (in[w].param.size() != elements || in[w].state0.size() != elements ||
+        in[w].state1.size() != (two ? elements : 0))
+      throw user_error(name + ": its checkpoint buffers are not of its size");
+    if (counts[w] < 0 || static_cast<std::uint64_t>(counts[w]) > c.steps)
+      throw user_error(name + ": its step count " + std::to_string(counts[w]) + " is not within the checkpoint's " +
+                       std::to_string(c.steps) + " steps");
+    const std::vector<std::uint32_t>& sel = c.selected[w];
+    for (std::size_t i = 0; i < sel.size(); ++i) {
+      if (sel[i] >= shape.cols || (i > 0 && sel[i] <= sel[i - 1]))
+        throw user_error(name + ": its selected columns are not ascending, unique and below " +
+                         std::to_string(shape.cols));
+    }
+    if (!shape.matrix() && sel.size() != 1) throw user_error(name + ": a 1-D weight's selection must be {0}");
+    if (shape.matrix() && !c.selection_made && !sel.empty())
+      throw user_error(name + ": columns are selected although the checkpoint has made no selection");
+    if (shape.matrix() && rule_.unit(w) == granularity::matrix && !sel.empty() && sel.size() != shape.cols)
+      throw user_error(name + ": its rule updates the whole matrix, but only part of it is selected");
+  }
+
+  step_ = c.steps;
+  host_step_ = c.host_steps;
+  begun_host_step_ = c.host_steps;
+  selection_made_ = c.selection_made;
+  trigger_.load(c.trigger);
+  const auto device_count = static_cast<std::int64_t>(step_);
+  std::vector<std::vector<std::uint32_t>> selections(n);
+  for (const std::size_t w : matrices_) {
+    selections[w] = c.selected[w];
+    splits_[w].refresh(selections[w]);
+    owned_by_host_[w] = host_runs(splits_[w]);
+  }
+  // The host takes every column (those the device owns are dead there), its
+  // own columns' state rebased to its count; the device's are packed from
+  // `in` and handed over, rebased to the device's count.
+  host_.for_each(matrices_, [&](std::size_t w, const host_buffers& buffers) {
+    copy_floats(in[w].param, buffers.param);
+    copy_floats(in[w].state0, buffers.state0);
+    if (two) copy_floats(in[w].state1, buffers.state1);
+    rebase_runs(w, owned_by_host_[w], buffers, counts[w], host_step_);
+    if (selections[w].empty()) return;
+    column_state entering = pack(w, selections[w], in[w]);
+    rebase_state(w, entering, counts[w], device_count);
+    column_state none;
+    device_.hand_over(w, selections[w], entering.view(), none.view());
+  });
+  for (std::size_t w = 0; w < n; ++w) {
+    if (weights_[w].matrix()) continue;
+    const std::uint32_t only = 0;
+    column_state state = pack(w, std::span(&only, 1), in[w]);
+    rebase_state(w, state, counts[w], device_count);
+    if (!device_.write_owned(w, state.view()))
+      throw user_error("zenflow: this device side cannot be restored from a checkpoint (no write_owned)");
   }
 }
 

@@ -82,6 +82,15 @@ bool update_trigger::due() const {
   return static_cast<double>(caught_up) >= auto_ratio_ * static_cast<double>(important_.size()) - 1e-9;
 }
 
+void update_trigger::load(const state& s) {
+  TF_ASSERT(s.important.size() == important_.size() && s.unimportant.size() == important_.size() &&
+                s.seen.size() == important_.size(),
+            "update_trigger::load: a state of another number of weights");
+  important_ = s.important;
+  unimportant_ = s.unimportant;
+  seen_ = s.seen;
+}
+
 void update_trigger::reset() { std::fill(unimportant_.begin(), unimportant_.end(), 0.0); }
 
 }  // namespace tierflow::zenflow

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "tierflow/core/assert.hpp"
+#include "tierflow/core/error.hpp"
 
 namespace tierflow::zenflow {
 
@@ -14,9 +15,25 @@ memory_host_state::memory_host_state(const std::vector<weight_shape>& weights, s
     state0_.emplace_back(w.elements(), 0.0f);
     state1_.emplace_back(state_count > 1 ? w.elements() : 0, 0.0f);
   }
+  master_.assign(param_.begin(), param_.end());
 }
 
-host_buffers memory_host_state::buffers(std::size_t w) { return {param_[w], state0_[w], state1_[w]}; }
+memory_host_state::memory_host_state(const std::vector<weight_shape>& weights, std::size_t state_count,
+                                     std::vector<std::span<float>> master)
+    : master_(std::move(master)) {
+  if (master_.size() != weights.size())
+    throw user_error("zenflow host state: " + std::to_string(master_.size()) + " master buffers for " +
+                     std::to_string(weights.size()) + " weights");
+  for (std::size_t w = 0; w < weights.size(); ++w) {
+    if (master_[w].size() != weights[w].elements())
+      throw user_error("zenflow host state: the master buffer of weight \"" + weights[w].name + "\" has " +
+                       std::to_string(master_[w].size()) + " elements, not " + std::to_string(weights[w].elements()));
+    state0_.emplace_back(weights[w].elements(), 0.0f);
+    state1_.emplace_back(state_count > 1 ? weights[w].elements() : 0, 0.0f);
+  }
+}
+
+host_buffers memory_host_state::buffers(std::size_t w) { return {master_[w], state0_[w], state1_[w]}; }
 
 void memory_host_state::for_each(std::span<const std::size_t> weights,
                                  const std::function<void(std::size_t, const host_buffers&)>& fn) {
@@ -156,6 +173,28 @@ void standin_device::hand_over(std::size_t w, std::span<const std::uint32_t> sel
                 entering.columns.size() + (o.columns.size() - leaving.columns.size()) == selected.size(),
             "hand-over does not add up");
   o = std::move(next);
+}
+
+bool standin_device::read_owned(std::size_t w, const packed_columns& out) {
+  const owned& o = owned_[w];
+  TF_ASSERT(std::ranges::equal(out.columns, o.columns), "read_owned: not the columns the device owns");
+  std::copy(o.master.begin(), o.master.end(), out.param.begin());
+  std::copy(o.state0.begin(), o.state0.end(), out.state0.begin());
+  if (!out.state1.empty()) std::copy(o.state1.begin(), o.state1.end(), out.state1.begin());
+  return true;
+}
+
+bool standin_device::write_owned(std::size_t w, const packed_columns& in) {
+  owned& o = owned_[w];
+  const std::uint64_t rows = weights_[w].rows;
+  TF_ASSERT(std::ranges::equal(in.columns, o.columns), "write_owned: not the columns the device owns");
+  std::copy(in.param.begin(), in.param.end(), o.master.begin());
+  std::copy(in.state0.begin(), in.state0.end(), o.state0.begin());
+  if (!in.state1.empty()) std::copy(in.state1.begin(), in.state1.end(), o.state1.begin());
+  for (std::size_t i = 0; i < o.columns.size(); ++i)
+    std::copy_n(o.master.begin() + static_cast<std::ptrdiff_t>(i * rows), rows,
+                compute_[w].begin() + static_cast<std::ptrdiff_t>(o.columns[i] * rows));
+  return true;
 }
 
 }  // namespace tierflow::zenflow

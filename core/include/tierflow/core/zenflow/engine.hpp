@@ -156,6 +156,15 @@ class update_rule {
   // (Muon's momentum). Called on the trainer's thread, never while a CPU
   // step runs.
   virtual void rebase_state(const crossing_args& args) { (void)args; }
+  // Called on the trainer's thread once for each host step count, at the
+  // step that ends the window it belongs to: before any apply() with
+  // `host_step` on either thread, and before the CPU step that applies it
+  // is handed to the engine's thread (whose hand-off orders this call's
+  // writes before that step's reads). A rule whose hyper-parameters change
+  // between steps (an LR schedule) fixes here the values the host's step
+  // `host_step` applies, so that the trainer may change them for the next
+  // steps while that CPU step runs. The default does nothing.
+  virtual void begin_host_step(std::int64_t host_step) { (void)host_step; }
 };
 
 // Where the host's fp32 master values and optimizer state live (pinned
@@ -218,6 +227,24 @@ class device_side {
   // `leaving`. Both are small (the columns that move), in host memory.
   virtual void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const packed_columns& entering,
                          const packed_columns& leaving) = 0;
+  // Optional, for checkpoints (engine::read_state): copies the master values
+  // and states of the columns of `w` the device owns (ascending; column 0 of
+  // a 1-D weight) into `out`, packed in that order, and changes nothing.
+  // Returns false when the device side does not offer it.
+  virtual bool read_owned(std::size_t w, const packed_columns& out) {
+    (void)w;
+    (void)out;
+    return false;
+  }
+  // Optional, for checkpoints (engine::restore): replaces the master values
+  // and states of the columns of `w` the device owns with `in` (the same
+  // columns, packed), and their compute copy with the master values.
+  // Returns false when the device side does not offer it.
+  virtual bool write_owned(std::size_t w, const packed_columns& in) {
+    (void)w;
+    (void)in;
+    return false;
+  }
 };
 
 struct step_report {
@@ -237,6 +264,18 @@ struct engine_stats {
   std::uint64_t refreshes = 0;  // hand-overs, the first selection among them
   std::chrono::nanoseconds wait_for_cpu{0};
   std::chrono::nanoseconds cpu_step_time{0};  // summed duration of the CPU steps
+};
+
+// The engine's own state at a quiet moment (after finish()): with the
+// master values and optimizer state (engine::read_state), what resuming
+// exactly needs.
+struct engine_checkpoint {
+  std::uint64_t steps = 0;      // steps done: the device's step count
+  std::int64_t host_steps = 0;  // CPU steps done: the host's step count
+  bool selection_made = false;  // false: the first step after warm-up makes the first selection
+  // Per weight, the columns the device owns (ascending; {0} for a 1-D weight).
+  std::vector<std::vector<std::uint32_t>> selected;
+  update_trigger::state trigger;  // update_interval "auto": the masses seen since the last CPU step
 };
 
 class engine {
@@ -292,6 +331,41 @@ class engine {
   // evaluation or a checkpoint). A refresh decided and not yet made is
   // dropped: the selection stays as it is until the next select boundary.
   void finish();
+
+  // ---- checkpoints ----
+  // A checkpoint is taken at a quiet moment: after finish(), before the
+  // next step. Columns on either side keep their own step count (the
+  // device's, the host's); what read_state() gives and restore() takes is
+  // the state as one optimizer over the whole weight would hold it at the
+  // device's count, steps(): the host-owned columns' state rebased to it
+  // (update_rule::rebase_state) on the way out and back on the way in, so
+  // a resumed run equals the one that went on, up to one rounding of the
+  // host-owned columns' state when the two counts differ (bit for bit
+  // when they agree, as with update_interval 1 without overlap).
+
+  // The engine's state. Throws user_error unless the engine is quiet.
+  engine_checkpoint checkpoint() const;
+  // Copies every weight's master values and state into `out` (out[w]: the
+  // whole weight in its layout; state1 empty for a one-state rule), the
+  // state at the device's count steps(). Reads the host's state through
+  // host_state::for_each and the device's through device_side::read_owned.
+  // Throws user_error unless the engine is quiet, or the device side does
+  // not offer read_owned.
+  void read_state(std::span<const host_buffers> out);
+  // Resumes from `c` on an engine that has run no step: the counts, the
+  // selection and the trigger become c's, and in[w] (the whole weight, as
+  // read_state() gives it, its state at step count counts[w]; 0: never
+  // updated) is split between the host (its columns' state rebased to
+  // c.host_steps) and the device (hand_over() for a matrix's selected
+  // columns, write_owned() for a 1-D weight, rebased to c.steps). Throws
+  // user_error for an engine that has stepped, a checkpoint that does not
+  // fit the weights (sizes, columns out of order or range, part of a
+  // whole-matrix weight) or a device side without write_owned.
+  void restore(const engine_checkpoint& c, std::span<const host_buffers> in, std::span<const std::int64_t> counts);
+
+  // Steps done (the device's step count), and CPU steps done (the host's).
+  std::uint64_t steps() const noexcept { return step_; }
+  std::int64_t host_steps() const noexcept { return host_step_; }
 
   const schedule& resolved() const noexcept { return schedule_; }
   // The CPUs split by pt_reserved_cores_perc. With overlap_step the engine's
@@ -351,6 +425,10 @@ class engine {
   void wait_and_apply();
   void apply_window(window& win);
   void worker_loop();
+  void begin_host_step();
+  bool quiet() const;
+  void rebase_runs(std::size_t w, std::span<const column_run> runs, const host_buffers& buffers,
+                   std::int64_t from_step, std::int64_t to_step);
 
   config config_;
   schedule schedule_;
@@ -369,6 +447,7 @@ class engine {
   int current_ = 0;                     // the window accumulating
   std::uint64_t step_ = 0;              // steps done
   std::int64_t host_step_ = 0;          // host step count (bias correction on the host)
+  std::int64_t begun_host_step_ = 0;    // the last count update_rule::begin_host_step() was told
   std::uint64_t next_window_ = 0;       // index of the next window to open
   std::uint64_t applied_window_ = 0;    // windows whose results the device computes with
   bool selection_made_ = false;

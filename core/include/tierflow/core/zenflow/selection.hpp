@@ -67,6 +67,17 @@ class update_trigger {
 
   std::size_t weights() const { return important_.size(); }
 
+  // What the trigger has seen, for a checkpoint: per weight, the running
+  // average, the mass since the last CPU update, and whether it has a value.
+  struct state {
+    std::vector<double> important;
+    std::vector<double> unimportant;
+    std::vector<std::uint8_t> seen;
+  };
+  state save() const { return {important_, unimportant_, seen_}; }
+  // Resumes from save()'s answer, of the same number of weights.
+  void load(const state& s);
+
  private:
   std::vector<double> important_;     // running average per step
   std::vector<double> unimportant_;   // accumulated since the last update

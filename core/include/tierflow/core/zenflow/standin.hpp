@@ -13,16 +13,28 @@
 
 namespace tierflow::zenflow {
 
-// The host_state whose buffers are vectors, one set per weight.
+// The host_state in host memory: its states are vectors, one set per
+// weight; its master values are vectors too, or the program's own buffers.
 class memory_host_state final : public host_state {
  public:
+  // Every buffer its own, zero (the program writes the initial master
+  // values through buffers()).
   memory_host_state(const std::vector<weight_shape>& weights, std::size_t state_count);
+  // The master values are `master[w]` (elements() each, the program's, used
+  // in place and outliving this object) — the trainer's parameters
+  // themselves (cpu_device's compute copies) where no CPU step runs while
+  // the trainer reads them, that is without overlap_step: the CPU step then
+  // updates the host-owned columns where the forward reads them, with
+  // nothing to stage. Throws user_error for a buffer of the wrong size.
+  memory_host_state(const std::vector<weight_shape>& weights, std::size_t state_count,
+                    std::vector<std::span<float>> master);
   void for_each(std::span<const std::size_t> weights,
                 const std::function<void(std::size_t, const host_buffers&)>& fn) override;
   host_buffers buffers(std::size_t w);
 
  private:
   std::vector<std::vector<float>> param_, state0_, state1_;
+  std::vector<std::span<float>> master_;  // param_'s, or the program's buffers
 };
 
 // The device, in host memory. Per weight it keeps the compute copy (fp32
@@ -53,6 +65,8 @@ class standin_device final : public device_side {
   void apply_staged(std::size_t w, std::span<const column_run> runs) override;
   void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const packed_columns& entering,
                  const packed_columns& leaving) override;
+  bool read_owned(std::size_t w, const packed_columns& out) override;
+  bool write_owned(std::size_t w, const packed_columns& in) override;
 
  private:
   struct owned {
