@@ -20,8 +20,7 @@
 #include "tierflow/core/store.hpp"
 #include "tierflow/core/telemetry.hpp"
 #include "tierflow/core/units.hpp"
-#include "tierflow/optim/adam.hpp"
-#include "tierflow/optim/muon.hpp"
+#include "tierflow/optim/zenflow_rule.hpp"
 #include "tierflow/tiers/tiers.hpp"
 
 namespace tierflow::bench {
@@ -34,49 +33,13 @@ std::span<float> as_floats(std::span<std::byte> bytes, std::uint64_t elements) {
   return {reinterpret_cast<float*>(bytes.data()), static_cast<std::size_t>(elements)};
 }
 
-// The optimizer arithmetic of the run: optim's AdamW, or Muon for the hidden
-// matrices, on the optimizer threads.
-class optim_rule final : public zenflow::update_rule {
- public:
-  optim_rule(const std::vector<chunk>& chunks, optim::executor& ex)
-      : chunks_(chunks), ex_(ex), adam_options_(optim::adam_options::adamw()), adam_(adam_options_),
-        muon_(optim::muon_options{}) {}
-
-  zenflow::granularity unit(std::size_t w) const noexcept override {
-    return chunks_[w].muon ? zenflow::granularity::matrix : zenflow::granularity::columns;
-  }
-  std::size_t state_count() const noexcept override { return 2; }
-  // Adam's moments rebased to the step count of the side they cross to;
-  // Muon's momentum has no step-dependent correction.
-  void rebase_state(const zenflow::crossing_args& a) override {
-    if (!chunks_[a.weight_index].muon) zenflow::rebase_adam_moments(a, adam_options_.beta1, adam_options_.beta2);
-  }
-  void apply(const zenflow::update_args& a) override {
-    if (chunks_[a.weight_index].muon) {
-      optim::muon_matrix m;
-      m.param = a.param;
-      m.grad = optim::fp32_ref(a.grad);
-      m.momentum_buffer = a.state0;
-      m.rows = a.weight->cols;
-      m.cols = a.weight->rows;
-      muon_.step(ex_, m);
-      return;
-    }
-    optim::adam_sub_group g;
-    g.param = a.param;
-    g.grad = optim::fp32_ref(a.grad);
-    g.exp_avg = optim::fp32_ref(a.state0);
-    g.exp_avg_sq = optim::fp32_ref(a.state1);
-    adam_.step(ex_, g, {.step = a.step});
-  }
-
- private:
-  const std::vector<chunk>& chunks_;
-  optim::executor& ex_;
-  optim::adam_options adam_options_;
-  optim::adam_optimizer adam_;
-  optim::muon_optimizer muon_;
-};
+// The optimizer arithmetic of the run (optim's zenflow_rule): AdamW with its
+// defaults, or Muon for the hidden matrices, on the optimizer threads.
+std::vector<optim::optimizer_kind> optimizer_kinds(const std::vector<chunk>& chunks) {
+  std::vector<optim::optimizer_kind> kinds;
+  for (const chunk& c : chunks) kinds.push_back(c.muon ? optim::optimizer_kind::muon : optim::optimizer_kind::adamw);
+  return kinds;
+}
 
 // ZenFlow's host state in the store: each chunk's blocks streamed through
 // the host tier, from NVMe when the state lives there.
@@ -383,7 +346,7 @@ struct affinity_guard {
 // The baselines' whole optimizer step over the streamed state, and its bounds.
 class whole_step {
  public:
-  whole_step(const offload_plan& plan, offload_store& st, optim_rule& rule, std::span<const float> gradient)
+  whole_step(const offload_plan& plan, offload_store& st, optim::zenflow_rule& rule, std::span<const float> gradient)
       : plan_(plan), st_(st), rule_(rule), gradient_(gradient) {}
 
   std::chrono::nanoseconds run() {
@@ -429,7 +392,7 @@ class whole_step {
 
   const offload_plan& plan_;
   offload_store& st_;
-  optim_rule& rule_;
+  optim::zenflow_rule& rule_;
   std::span<const float> gradient_;
   std::int64_t steps_ = 0;
 };
@@ -509,7 +472,7 @@ offload_result run_offload(const offload_plan& plan) {
   optim::executor executor(static_cast<int>(plan.optimizer_threads), "auto", cores.optimizer);
   const affinity_guard restore;
   if (!cores.trainer.empty()) pin_current_thread(cores.trainer);
-  optim_rule rule(plan.chunks, executor);
+  optim::zenflow_rule rule(optimizer_kinds(plan.chunks), executor, executor);
 
   whole_step baseline_step(plan, st, rule, gradient);
   if (options.strategy != strategy::zenflow) baseline_step.measure_bounds(result);

@@ -21,6 +21,9 @@ cuda_zenflow_device::~cuda_zenflow_device() = default;
 void cuda_zenflow_device::initialize(std::size_t, std::span<const float>) { no_cuda(); }
 std::span<const std::uint32_t> cuda_zenflow_device::owned_columns(std::size_t) const { no_cuda(); }
 cuda_zenflow_traffic cuda_zenflow_device::traffic() const { no_cuda(); }
+void cuda_zenflow_device::set_adam(const adam_options&) { no_cuda(); }
+bool cuda_zenflow_device::read_owned(std::size_t, const zenflow::packed_columns&) { no_cuda(); }
+bool cuda_zenflow_device::write_owned(std::size_t, const zenflow::packed_columns&) { no_cuda(); }
 void cuda_zenflow_device::column_importance(std::size_t, zenflow::importance_norm, std::span<float>) { no_cuda(); }
 void cuda_zenflow_device::update_owned(std::size_t, std::int64_t) { no_cuda(); }
 std::span<const float> cuda_zenflow_device::download_gradient(std::size_t) { no_cuda(); }

@@ -424,6 +424,79 @@ void cuda_zenflow_device::initialize(std::size_t w, std::span<const float> maste
   d.synchronize(w);  // the transfer buffer is free again
 }
 
+void cuda_zenflow_device::set_adam(const adam_options& adam) {
+  if (adam.amsgrad == amsgrad::on)
+    throw user_error("zenflow cuda device: amsgrad is not supported on the device side");
+  (void)adam_optimizer(adam);  // validates the hyper-parameters (user_error)
+  // Read by update_owned() on this (the trainer's) thread when it enqueues
+  // the next kernel; kernels already enqueued took their constants by value.
+  impl_->options.adam = adam;
+}
+
+bool cuda_zenflow_device::read_owned(std::size_t w, const zenflow::packed_columns& out) {
+  impl& d = *impl_;
+  TF_ASSERT(w < d.weights.size());
+  const impl::weight_state& ws = d.state[w];
+  TF_ASSERT(std::ranges::equal(out.columns, ws.columns), "read_owned: not the columns the device owns");
+  const std::size_t n = ws.columns.size() * d.weights[w].rows;
+  TF_ASSERT(out.param.size() == n && out.state0.size() == n && out.state1.size() == n,
+            "read_owned: the CUDA device keeps Adam's two moments; the packed columns must hold both");
+  if (n == 0) return true;
+  const cuda_device_scope scope(d.options.device);
+  const detail::state_planes planes = d.planes(w);
+  const std::size_t bytes = n * sizeof(float);
+  d.transfer.reserve(3 * bytes, "read owned state");
+  float* const pinned = reinterpret_cast<float*>(d.transfer.data());
+  // On the trainer's stream: after every update and hand-over enqueued.
+  const float* const from[3] = {planes.master, planes.exp_avg, planes.exp_avg_sq};
+  for (int k = 0; k < 3; ++k)
+    TF_CUDA_CHECK(cudaMemcpyAsync(pinned + k * n, from[k], bytes, cudaMemcpyDeviceToHost, d.stream),
+                  d.context("cudaMemcpyAsync read owned state", w));
+  d.bytes_down += 3 * bytes;
+  d.synchronize(w);
+  std::memcpy(out.param.data(), pinned, bytes);
+  std::memcpy(out.state0.data(), pinned + n, bytes);
+  std::memcpy(out.state1.data(), pinned + 2 * n, bytes);
+  return true;
+}
+
+bool cuda_zenflow_device::write_owned(std::size_t w, const zenflow::packed_columns& in) {
+  impl& d = *impl_;
+  TF_ASSERT(w < d.weights.size());
+  const impl::weight_state& ws = d.state[w];
+  TF_ASSERT(std::ranges::equal(in.columns, ws.columns), "write_owned: not the columns the device owns");
+  const std::uint64_t rows = d.weights[w].rows;
+  const std::size_t n = ws.columns.size() * rows;
+  TF_ASSERT(in.param.size() == n && in.state0.size() == n && in.state1.size() == n,
+            "write_owned: the CUDA device keeps Adam's two moments; the packed columns must hold both");
+  if (n == 0) return true;
+  const cuda_device_scope scope(d.options.device);
+  const detail::state_planes planes = d.planes(w);
+  const std::size_t bytes = n * sizeof(float);
+  const std::size_t compute_at = align_up(3 * bytes);
+  d.transfer.reserve(compute_at + n * d.compute_size, "write owned state");
+  std::byte* const pinned = d.transfer.data();
+  std::memcpy(pinned, in.param.data(), bytes);
+  std::memcpy(pinned + bytes, in.state0.data(), bytes);
+  std::memcpy(pinned + 2 * bytes, in.state1.data(), bytes);
+  // The compute copy rounded to nearest even, as the kernels round it.
+  detail::convert_range(d.simd_target, in.param.data(), dtype::fp32, pinned + compute_at, d.options.compute_type,
+                        1.0f, 0, n);
+  float* const to[3] = {planes.master, planes.exp_avg, planes.exp_avg_sq};
+  for (int k = 0; k < 3; ++k)
+    TF_CUDA_CHECK(cudaMemcpyAsync(to[k], pinned + k * bytes, bytes, cudaMemcpyHostToDevice, d.stream),
+                  d.context("cudaMemcpyAsync write owned state", w));
+  const std::size_t column_bytes = rows * d.compute_size;
+  for (std::size_t i = 0; i < ws.columns.size(); ++i)
+    TF_CUDA_CHECK(cudaMemcpyAsync(static_cast<std::byte*>(d.tensors[w].parameters) + ws.columns[i] * column_bytes,
+                                  pinned + compute_at + i * column_bytes, column_bytes, cudaMemcpyHostToDevice,
+                                  d.stream),
+                  d.context("cudaMemcpyAsync write owned state", w));
+  d.bytes_up += 3 * bytes + n * d.compute_size;
+  d.synchronize(w);  // the transfer buffer is free again
+  return true;
+}
+
 cuda_zenflow_traffic cuda_zenflow_device::traffic() const {
   return {impl_->bytes_down.load(), impl_->bytes_up.load()};
 }

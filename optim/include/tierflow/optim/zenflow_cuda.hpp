@@ -138,6 +138,12 @@ class cuda_zenflow_device final : public zenflow::device_side {
   bool accumulate_gradient(std::size_t w, std::span<const zenflow::column_run> runs,
                            std::span<float> sum) override;
 
+  // The Adam hyper-parameters of the next update_owned() calls (an LR
+  // schedule changing lr between steps). Trainer's thread. Throws
+  // user_error as the constructor does for bad values or amsgrad; nothing
+  // changes then.
+  void set_adam(const adam_options& adam);
+
   // Every copy so far, counted when it is enqueued.
   cuda_zenflow_traffic traffic() const;
 
@@ -152,6 +158,11 @@ class cuda_zenflow_device final : public zenflow::device_side {
   void apply_staged(std::size_t w, std::span<const zenflow::column_run> runs) override;
   void hand_over(std::size_t w, std::span<const std::uint32_t> selected, const zenflow::packed_columns& entering,
                  const zenflow::packed_columns& leaving) override;
+  // For checkpoints: the owned columns' master and moments brought down
+  // (read_owned) or sent up, with their compute copy rewritten from the
+  // master (write_owned); both wait for the trainer's stream.
+  bool read_owned(std::size_t w, const zenflow::packed_columns& out) override;
+  bool write_owned(std::size_t w, const zenflow::packed_columns& in) override;
 
  private:
   struct impl;
