@@ -207,6 +207,19 @@ TEST(ZenflowCheckpoint, ReadStateRebasesTheHostsColumnsToTheDevicesCount) {
     }
   }
   EXPECT_GT(host_columns, 0u);
+
+  // Read into the parameters themselves (where the CPU device keeps the
+  // device-owned columns' master values), as a program that has no other
+  // copy does: the same state, and the parameters unchanged, though the
+  // host's own copy of those columns is stale.
+  const std::vector<std::vector<float>> params = r.params;
+  std::vector<std::vector<float>> m2, v2, unused;
+  std::vector<host_buffers> into = r.buffers(m2, v2, unused);
+  for (std::size_t w = 0; w < into.size(); ++w) into[w].param = r.params[w];
+  r.eng->read_state(into);
+  EXPECT_EQ(r.params, params);
+  EXPECT_EQ(m2, m);
+  EXPECT_EQ(v2, v);
 }
 
 void expect_resumes(const config& c, std::uint64_t before, std::uint64_t after, bool exact) {

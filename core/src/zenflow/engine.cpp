@@ -703,12 +703,17 @@ void engine::read_state(std::span<const host_buffers> out) {
       throw user_error("zenflow: read_state: the buffers of weight \"" + weights_[w].name + "\" are not of its size");
   }
   const auto device_count = static_cast<std::int64_t>(step_);
-  // The host's: every column (those the device owns are overwritten below),
-  // its own columns' state rebased to the device's count.
+  // The host's own columns, their state rebased to the device's count. Only
+  // those: the host's copy of a device-owned column is stale, and `out` may
+  // be where the device keeps it (the CPU device's parameters).
   host_.for_each(matrices_, [&](std::size_t w, const host_buffers& buffers) {
-    copy_floats(buffers.param, out[w].param);
-    copy_floats(buffers.state0, out[w].state0);
-    if (two) copy_floats(buffers.state1, out[w].state1);
+    const std::uint64_t rows = weights_[w].rows;
+    for (const column_run r : owned_by_host_[w]) {
+      const std::size_t begin = r.begin * rows, n = (r.end - r.begin) * rows;
+      copy_floats(buffers.param.subspan(begin, n), out[w].param.subspan(begin, n));
+      copy_floats(buffers.state0.subspan(begin, n), out[w].state0.subspan(begin, n));
+      if (two) copy_floats(buffers.state1.subspan(begin, n), out[w].state1.subspan(begin, n));
+    }
     rebase_runs(w, owned_by_host_[w], out[w], host_step_, device_count);
   });
   // The device's, packed, then put in place.
