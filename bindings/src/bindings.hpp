@@ -26,5 +26,7 @@ void bind_store(nanobind::module_& m);
 void bind_config(nanobind::module_& m);
 // OffloadedAdam: Adam/AdamW state on NVMe, streamed through a host budget.
 void bind_offloaded_adam(nanobind::module_& m);
+// ZenFlowEngine: the ZenFlow engine over a model's parameters.
+void bind_zenflow(nanobind::module_& m);
 
 }  // namespace tierflow::python

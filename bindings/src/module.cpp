@@ -15,4 +15,5 @@ NB_MODULE(_core, m) {
   tierflow::python::bind_store(m);
   tierflow::python::bind_config(m);
   tierflow::python::bind_offloaded_adam(m);
+  tierflow::python::bind_zenflow(m);
 }
