@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tierflow import _core
-from tierflow.torch.optim import AdamW, Muon, ZenFlow
+from tierflow.torch.optim import Adam, AdamW, Muon, ZenFlow
 
 RTOL = 1e-5
 
@@ -81,6 +81,17 @@ def test_interval_one_without_overlap_is_adamw_exactly(topk):
         assert float(sd["state"][i]["step"]) == float(ref.state[p]["step"]) == 24
     for p, q in zip(ours.parameters(), peer.parameters()):
         torch.testing.assert_close(p, q, rtol=RTOL, atol=RTOL * float(q.detach().abs().max()))
+
+
+def test_decoupled_weight_decay_false_is_adams_l2_decay_exactly():
+    xs, ys = make_data(12)
+    ours, theirs = make_model(), make_model()
+    opt = ZenFlow(ours.parameters(), lr=1e-2, weight_decay=0.05, decoupled_weight_decay=False,
+                  zenflow={**EXACT, "topk_ratio": 0.25})
+    ref = Adam(theirs.parameters(), lr=1e-2, weight_decay=0.05)
+    train(ours, opt, xs, ys)
+    train(theirs, ref, xs, ys)
+    assert_params_equal(ours, theirs)
 
 
 def teacher_task(steps=320, batch=64, seed=3):
