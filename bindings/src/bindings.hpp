@@ -13,7 +13,7 @@ void register_errors(nanobind::module_& m);
 // info(path=None) -> dict: what `tierflow info --json` reports.
 void bind_info(nanobind::module_& m);
 
-// Executor, simd_targets(), adam_step(), address_of().
+// Executor, simd_targets(), adam_step(), AdamSlot, adam_step_group(), address_of().
 void bind_optim(nanobind::module_& m);
 
 // MuonWorkspace, muon_step(), group_parameters().

@@ -1,10 +1,13 @@
 // The executor the CPU optimizers run on and Adam/AdamW's step over tensors
 // handed in as DLPack views (arrays.hpp): read and written where they are,
-// never copied.
+// never copied; per parameter (adam_step) or per param group over slots that
+// hold the buffers fixed between steps (adam_step_group).
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -62,6 +65,119 @@ bool adam_step(optim::executor& ex, buffer param, const_buffer grad, buffer exp_
   return outcome == optim::step_outcome::applied;
 }
 
+std::string element_count(std::size_t n) { return std::to_string(n) + " elements"; }
+
+// One parameter's buffers that stay put between steps, validated once and
+// held as DLPack views (which keep their tensors alive): the fp32 (master)
+// parameter, the moments, the amsgrad maximum, the bf16/fp16 copy and the step
+// count, a one-element float32 or float64 tensor (torch's state["step"]) that
+// adam_step_group increments in place. Only the gradient crosses per step.
+class adam_slot {
+ public:
+  adam_slot(buffer param, buffer exp_avg, buffer exp_avg_sq, std::optional<buffer> max_exp_avg_sq,
+            std::optional<buffer> param_copy, buffer step)
+      : param_(std::move(param)), exp_avg_(std::move(exp_avg)), exp_avg_sq_(std::move(exp_avg_sq)),
+        max_exp_avg_sq_(std::move(max_exp_avg_sq)), param_copy_(std::move(param_copy)),
+        step_(std::move(step)) {
+    if (element_type(param_, "param") != dtype::fp32)
+      throw user_error("param: the updated parameter (the master copy) must be float32");
+    const std::size_t n = param_.size();
+    const auto check_size = [n](const buffer& b, std::string_view what) {
+      if (b.size() != n)
+        throw user_error(std::string(what) + ": " + element_count(b.size()) + " for a param of " +
+                         element_count(n));
+    };
+    group_.param = {static_cast<float*>(param_.data()), n};
+    group_.exp_avg = view_of(exp_avg_, "exp_avg");
+    check_size(exp_avg_, "exp_avg");
+    group_.exp_avg_sq = view_of(exp_avg_sq_, "exp_avg_sq");
+    check_size(exp_avg_sq_, "exp_avg_sq");
+    if (max_exp_avg_sq_) {
+      group_.max_exp_avg_sq = view_of(*max_exp_avg_sq_, "max_exp_avg_sq");
+      check_size(*max_exp_avg_sq_, "max_exp_avg_sq");
+    }
+    if (param_copy_) {
+      group_.param_copy = view_of(*param_copy_, "param_copy");
+      check_size(*param_copy_, "param_copy");
+    }
+    if (step_.size() != 1)
+      throw user_error("step: one element expected, got " + element_count(step_.size()));
+    if (step_.dtype() == nb::dtype<float>()) {
+      step_f32_ = static_cast<float*>(step_.data());
+    } else if (step_.dtype() == nb::dtype<double>()) {
+      step_f64_ = static_cast<double*>(step_.data());
+    } else {
+      throw user_error("step: a float32 or float64 tensor expected");
+    }
+  }
+
+  std::size_t size() const noexcept { return group_.param.size(); }
+  bool amsgrad() const noexcept { return max_exp_avg_sq_.has_value(); }
+
+  // Adds one to the step count, as torch's `state["step"] += 1` does in the
+  // count's own dtype, and returns the new count.
+  std::int64_t advance() noexcept {
+    if (step_f32_ != nullptr) return static_cast<std::int64_t>(*step_f32_ += 1.0f);
+    return static_cast<std::int64_t>(*step_f64_ += 1.0);
+  }
+
+  // The buffers with `grad` for one step.
+  optim::adam_sub_group with(optim::const_tensor_ref grad) const noexcept {
+    optim::adam_sub_group g = group_;
+    g.grad = grad;
+    return g;
+  }
+
+ private:
+  buffer param_, exp_avg_, exp_avg_sq_;
+  std::optional<buffer> max_exp_avg_sq_, param_copy_;
+  buffer step_;
+  optim::adam_sub_group group_;
+  float* step_f32_ = nullptr;
+  double* step_f64_ = nullptr;
+};
+
+// One step over a param group: slots[i] with grads[i]. Every gradient is
+// checked before anything is written; then, with the GIL released once, each
+// slot's count is advanced and the kernel run on it, in order: the calls
+// adam_step would make, one per parameter.
+void adam_step_group(optim::executor& ex, const std::vector<adam_slot*>& slots,
+                     const std::vector<const_buffer>& grads, float lr, float beta1, float beta2,
+                     float eps, float weight_decay, bool decoupled, bool maximize) {
+  if (slots.size() != grads.size())
+    throw user_error("grads: " + std::to_string(grads.size()) + " gradients for " +
+                     std::to_string(slots.size()) + " slots");
+  optim::adam_options options{.lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps,
+                              .weight_decay = weight_decay,
+                              .decay = decoupled ? optim::weight_decay_mode::decoupled
+                                                 : optim::weight_decay_mode::l2};
+  const optim::adam_optimizer plain(options);  // validates the hyper-parameters
+  options.amsgrad = optim::amsgrad::on;
+  const optim::adam_optimizer amsgrad(options);
+  std::vector<optim::const_tensor_ref> views;
+  views.reserve(grads.size());
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    if (slots[i] == nullptr) throw user_error("slots[" + std::to_string(i) + "]: None");
+    const std::string what = "grads[" + std::to_string(i) + "]";
+    views.push_back(view_of(grads[i], what));
+    if (grads[i].size() != slots[i]->size())
+      throw user_error(what + ": " + element_count(grads[i].size()) + " for a param of " +
+                       element_count(slots[i]->size()));
+  }
+  const optim::adam_step_args args{
+      .step = 1, .grad_scale = 1.0f, .check = optim::finite_check::off,
+      .objective = maximize ? optim::objective::maximize : optim::objective::minimize};
+  nb::gil_scoped_release unlocked;  // the steps stream every buffer once: long for big groups
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    adam_slot& slot = *slots[i];
+    optim::adam_step_args step_args = args;
+    step_args.step = slot.advance();
+    // A zero-size parameter has nothing to update (and DLPack may give it no address).
+    if (slot.size() == 0) continue;
+    (slot.amsgrad() ? amsgrad : plain).step(ex, slot.with(views[i]), step_args);
+  }
+}
+
 }  // namespace
 
 void bind_optim(nb::module_& m) {
@@ -90,6 +206,33 @@ void bind_optim(nb::module_& m) {
         "size. With skip_nonfinite an inf/nan gradient writes nothing and returns False;\n"
         "with maximize the step ascends the gradient (torch's maximize, with no temporary).\n"
         "Releases the GIL while the step runs. Raises ValueError naming a bad argument.");
+
+  nb::class_<adam_slot>(m, "AdamSlot",
+      "One parameter's Adam/AdamW buffers that stay put between steps, for adam_step_group():\n"
+      "`param` the float32 (master) parameter, the moments (float32 or bfloat16, of one dtype),\n"
+      "`max_exp_avg_sq` (amsgrad on) and `param_copy` (bfloat16 or float16, written from the\n"
+      "updated parameter in the same pass) as adam_step() takes them, and `step`, the count: a\n"
+      "one-element float32 or float64 tensor, advanced in place by each step. Each is held as\n"
+      "a view of its tensor (no copy; the slot keeps it alive) and checked here: C-contiguous,\n"
+      "on the CPU, of param's size. Make a new slot when a tensor is replaced or reallocated.\n"
+      "Raises ValueError naming a bad buffer.")
+      .def(nb::init<buffer, buffer, buffer, std::optional<buffer>, std::optional<buffer>, buffer>(),
+           "param"_a.noconvert(), "exp_avg"_a.noconvert(), "exp_avg_sq"_a.noconvert(),
+           "max_exp_avg_sq"_a.noconvert().none(), "param_copy"_a.noconvert().none(),
+           "step"_a.noconvert())
+      .def_prop_ro("size", &adam_slot::size)
+      .def_prop_ro("amsgrad", &adam_slot::amsgrad);
+
+  m.def("adam_step_group", &adam_step_group, "executor"_a, "slots"_a, "grads"_a.noconvert(),
+        nb::kw_only(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "decoupled"_a,
+        "maximize"_a = false,
+        "One Adam (decoupled=False) or AdamW (decoupled=True) step over a param group:\n"
+        "slots[i] (AdamSlot) with grads[i] (float32, bfloat16 or float16, C-contiguous, on the\n"
+        "CPU, of the slot's size; crossing without a copy). Every gradient is checked before\n"
+        "anything is written; then, with the GIL released once, each slot's step count is\n"
+        "advanced by one and the fused kernel run on its buffers, in order: the results of\n"
+        "adam_step() called on each in turn with the advanced count. Raises ValueError naming\n"
+        "a bad argument.");
 
   m.def("address_of", [](const_buffer a) { return reinterpret_cast<std::uintptr_t>(a.data()); },
         "array"_a.noconvert(),

@@ -406,3 +406,42 @@ def test_the_kernel_call_scales_gradients_and_skips_a_nonfinite_step():
         assert torch.equal(after, old)  # nothing written
     with pytest.raises(ValueError, match="exp_avg_sq"):
         tierflow._core.adam_step(executor, p_plain, grad, m2, torch.zeros(n - 1), step=2, **hyper)
+
+
+def test_a_group_step_is_the_kernel_called_per_parameter_and_checks_every_gradient_first():
+    core = tierflow._core
+    executor = core.Executor(2)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=False, maximize=True)
+    gen = torch.Generator().manual_seed(5)
+
+    def buffers(n, low_precision):  # param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, copy, step
+        param = torch.randn(n, generator=gen)
+        return [param, torch.randn(n, generator=gen).to(torch.bfloat16 if low_precision else torch.float32),
+                torch.rand(n, generator=gen), torch.rand(n, generator=gen), torch.rand(n, generator=gen),
+                param.to(torch.bfloat16) if low_precision else None, torch.tensor(2.0)]
+
+    ours = [buffers(1000, False), buffers(0, False), buffers(37, True)]
+    peers = [[None if t is None else t.clone() for t in b] for b in ours]
+    slots = [core.AdamSlot(p, m, v, v_max, copy, step) for p, _, m, v, v_max, copy, step in ours]
+    core.adam_step_group(executor, slots, [b[1] for b in ours], **hyper)
+    for p, g, m, v, v_max, copy, step in peers:
+        step += 1
+        core.adam_step(executor, p, g, m, v, v_max, copy, step=int(step.item()), **hyper)
+    for a, b in zip(ours, peers):
+        for x, y in zip(a, b):
+            assert x is None or torch.equal(x, y)  # the same bits, the step counts at 3
+
+    before = [[None if t is None else t.clone() for t in b] for b in ours]
+    grads = [b[1] for b in ours]
+    with pytest.raises(ValueError, match=r"grads\[2\]: 36 elements for a param of 37"):
+        core.adam_step_group(executor, slots, grads[:2] + [grads[2][:36]], **hyper)
+    with pytest.raises(ValueError, match=r"grads\[0\]: float32, bfloat16 or float16 expected"):
+        core.adam_step_group(executor, slots, [grads[0].double()] + grads[1:], **hyper)
+    for a, b in zip(ours, before):
+        for x, y in zip(a, b):
+            assert x is None or torch.equal(x, y)  # nothing written, no count advanced
+    with pytest.raises(ValueError, match="exp_avg_sq: 36 elements for a param of 37"):
+        core.AdamSlot(torch.zeros(37), torch.zeros(37), torch.zeros(36), None, None, torch.tensor(0.0))
+    with pytest.raises(ValueError, match="step: a float32 or float64 tensor expected"):
+        core.AdamSlot(torch.zeros(3), torch.zeros(3), torch.zeros(3), None, None, torch.tensor(0))
+
