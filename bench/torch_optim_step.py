@@ -5,8 +5,9 @@ The parameters are a GPT-2 model's (gpt2-small by default: 124M parameters in
 148 tensors, the LM head tied to the embedding), on the CPU. Each contender
 steps the same list of tensors:
 
-  tierflow     tierflow.torch.optim.AdamW, the Python package (one call of the
-               fused C++ kernel per tensor, the GIL released meanwhile);
+  tierflow     tierflow.torch.optim.AdamW, the Python package (one C++ call
+               per param group that runs the fused kernel on each tensor, the
+               GIL released meanwhile);
   kernel       `tierflow bench optim --tensors ...`: the same kernel over the
                same shapes from C++, with no Python at all;
   torch        torch.optim.AdamW(fused=True);

@@ -445,3 +445,34 @@ def test_a_group_step_is_the_kernel_called_per_parameter_and_checks_every_gradie
     with pytest.raises(ValueError, match="step: a float32 or float64 tensor expected"):
         core.AdamSlot(torch.zeros(3), torch.zeros(3), torch.zeros(3), None, None, torch.tensor(0))
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replaced_state_and_moved_parameters_step_where_they_now_are(dtype):
+    torch.manual_seed(4)
+    peer_param = torch.nn.Parameter(torch.randn(3, 5).to(dtype))
+    ours_param = torch.nn.Parameter(peer_param.detach().clone())
+    master = torch.nn.Parameter(peer_param.detach().float())  # torch steps an fp32 master
+    peer = torch.optim.AdamW([master], lr=1e-2)
+    ours = AdamW([ours_param], lr=1e-2)
+    for step in range(6):
+        grad = torch.full((3, 5), 0.1 * (step + 1)) + torch.arange(15.0).view(3, 5) * 1e-2
+        master.grad, ours_param.grad = grad.to(dtype).float(), grad.to(dtype)  # the same values
+        if step == 2:  # a parameter's storage replaced: the step follows it
+            old = ours_param.detach()
+            ours_param.data = ours_param.detach().clone()
+            kept = old.clone()
+        if step == 4:  # a state tensor replaced, as a user or a tool may do
+            ours.state[ours_param]["exp_avg"] = ours.state[ours_param]["exp_avg"].clone()
+        peer.step()
+        ours.step()
+        with torch.no_grad():
+            peer_param.copy_(master)
+    assert torch.equal(old, kept)  # the storage left behind is not written
+    state = ours.state[ours_param]
+    assert tierflow._core.address_of(state["exp_avg"]) == state["exp_avg"].data_ptr()
+    assert state["step"].item() == 6 and state["step"].dtype == torch.float32
+    assert_close_to(state["exp_avg"], peer.state[master]["exp_avg"], "exp_avg")
+    if dtype == torch.float32:
+        assert_close_to(ours_param, peer_param, "param")
+    else:  # the master rounded, as torch's copy_ rounds it
+        torch.testing.assert_close(ours_param, peer_param, rtol=2 ** -8, atol=0)

@@ -26,6 +26,8 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # the kernel updates; the parameter is written from it in the same pass).
 MASTER_KEY = "master_param"
 _FP32_STATE = (MASTER_KEY, "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# The state an AdamSlot views, in _Slot.tensors' order.
+_SLOT_STATE = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", MASTER_KEY)
 
 
 def _scalar(value: float | Tensor) -> float:
@@ -147,6 +149,46 @@ def adam(
             param.copy_(copy)
 
 
+class _Slot:
+    """A parameter's _core.AdamSlot (None for a non-contiguous parameter,
+    stepped in a contiguous copy) and what it was made from, so that a step
+    checks with a few identity tests that it still fits."""
+
+    __slots__ = ("core", "address", "numel", "contiguous", "amsgrad", "tensors")
+
+    def __init__(self, p: Tensor, state: dict[str, Any], amsgrad: bool) -> None:
+        self.address, self.numel, self.contiguous = p.data_ptr(), p.numel(), p.is_contiguous()
+        self.amsgrad = amsgrad
+        self.tensors = tuple(state.get(key) for key in _SLOT_STATE)
+        self.core = self._make(p) if self.contiguous else None
+
+    def fits(self, p: Tensor, state: dict[str, Any], amsgrad: bool) -> bool:
+        """Whether p and its state are still what the slot views."""
+        if (p.data_ptr() != self.address or p.numel() != self.numel or amsgrad != self.amsgrad
+                or p.is_contiguous() != self.contiguous):
+            return False
+        return all(state.get(key) is t for key, t in zip(_SLOT_STATE, self.tensors))
+
+    def scratch(self, p: Tensor) -> tuple[_core.AdamSlot, Tensor]:
+        """A slot for one step of a non-contiguous p in a contiguous stand-in,
+        and the stand-in, to copy into p after the step."""
+        if p.dtype in _LOW_PRECISION:  # the master steps; the stand-in receives its copy
+            stand_in = torch.empty_like(p, memory_format=torch.contiguous_format)
+        else:
+            stand_in = p.detach().contiguous()
+        return self._make(stand_in), stand_in
+
+    def _make(self, p: Tensor) -> _core.AdamSlot:
+        """An AdamSlot over p (or its contiguous stand-in) and the state: a
+        float32 p is stepped itself; a bfloat16/float16 one is written from its
+        master in the same pass."""
+        step, exp_avg, exp_avg_sq, max_exp_avg_sq, master = self.tensors
+        p = p.detach()
+        param, copy = (master.detach(), p) if p.dtype in _LOW_PRECISION else (p, None)
+        return _core.AdamSlot(param, exp_avg.detach(), exp_avg_sq.detach(),
+                              max_exp_avg_sq.detach() if self.amsgrad else None, copy, step.detach())
+
+
 # offload="nvme": the host budget holds four sub-groups (one updating, two
 # loading, one being written back); without host_memory, the state's own size
 # up to four sub-groups of 64 MiB, and at least the 64 KiB minimum.
@@ -248,6 +290,14 @@ class Adam(Optimizer):
     The state is torch's: ``step`` (a float32 scalar tensor), ``exp_avg``,
     ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq``.
 
+    With ``offload="cpu"`` one step is one C++ call per param group, with the
+    GIL released: the kernel runs on each parameter in turn. Each parameter's
+    state and (contiguous) storage are viewed by a slot made at its first step
+    and checked by identity at each step, so that only the gradients cross;
+    a slot is made again when a state tensor is replaced (load_state_dict, or
+    an assignment into ``self.state[p]``) or the parameter's storage moves
+    (``p.data = ...``). ``step`` is advanced in place, as torch's ``+= 1``.
+
     With ``offload="nvme"`` one step is one C++ call over every parameter that
     has a gradient, with the GIL released: each sub-group is read from NVMe
     while the one before it is updated and the one before that is written
@@ -295,6 +345,7 @@ class Adam(Optimizer):
         self._executor = _core.Executor(self.threads)
         self._nvme: _core.OffloadedAdam | None = None
         self._slots: dict[Tensor, int] = {}
+        self._cpu_slots: dict[Tensor, _Slot] = {}
         defaults = {
             "lr": lr,
             "betas": (_scalar(betas[0]), _scalar(betas[1])),
@@ -375,6 +426,7 @@ class Adam(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         own = state.pop("tierflow", None)
         super().__setstate__(state)
+        self._cpu_slots = {}  # views of the state this optimizer held, if any: made again
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -539,6 +591,7 @@ class Adam(Optimizer):
                 self._write_state(p, state_dict["state"].get(saved_id, {}))
             return
         super().load_state_dict(state_dict)
+        self._cpu_slots.clear()  # they hold the replaced state
         for saved_id, p in zip(saved_ids, params):
             saved = state_dict["state"].get(saved_id)
             if p.dtype not in _LOW_PRECISION or saved is None:
@@ -553,38 +606,72 @@ class Adam(Optimizer):
         for group in self.param_groups:
             _check_group(group)
 
-    def _init_group(self, group: dict[str, Any]):
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters = ([] for _ in range(7))
+    def _slot_of(self, p: Tensor, state: dict[str, Any], amsgrad: bool) -> _Slot:
+        """p's state made ready for the kernel (torch's layout: made when
+        missing, the moments and the master fp32 and contiguous) and held in a
+        new _core.AdamSlot. Runs when p first steps and again when the slot no
+        longer fits (a state tensor replaced, p's storage moved)."""
+        step = state.get("step")
+        if step is None:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        elif not torch.is_tensor(step):  # an old state_dict's number, made torch's tensor
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        low_precision = p.dtype in _LOW_PRECISION
+        if low_precision:
+            master = state.get(MASTER_KEY)
+            if master is None:  # a new parameter, or a torch state_dict's state
+                state[MASTER_KEY] = _master_of(p)
+            elif not master.is_contiguous():
+                state[MASTER_KEY] = master.contiguous()
+        moment_keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+        for key in moment_keys:
+            if key not in state:
+                state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            elif state[key].dtype != torch.float32 or not state[key].is_contiguous():
+                state[key] = state[key].to(torch.float32, memory_format=torch.contiguous_format)
+        return _Slot(p, state, amsgrad)
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        """One step of the group's parameters that have a gradient: one C++
+        call over their slots (GIL released once); only the gradients cross."""
+        amsgrad = bool(group["amsgrad"])
+        slots, cores, grads = self._cpu_slots, [], []
+        scratch: list[tuple[Tensor, Tensor]] = []
         for p in group["params"]:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise RuntimeError(
                     "Adam does not support sparse gradients, please consider SparseAdam instead"
                 )
             state = self.state[p]
-            low_precision = p.dtype in _LOW_PRECISION
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                if low_precision:
-                    state[MASTER_KEY] = _master_of(p)
-            elif low_precision and MASTER_KEY not in state:  # a torch state_dict's state
-                state[MASTER_KEY] = _master_of(p)
-            moment_keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-            for key in moment_keys:
-                if key not in state:
-                    state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-                elif state[key].dtype != torch.float32 or not state[key].is_contiguous():
-                    state[key] = state[key].to(torch.float32, memory_format=torch.contiguous_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            if group["amsgrad"]:
-                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
-            steps.append(state["step"])
-            masters.append(state.get(MASTER_KEY) if low_precision else None)
-        return params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters
+            slot = slots.get(p)
+            if slot is None or not slot.fits(p, state, amsgrad):
+                slot = slots[p] = self._slot_of(p, state, amsgrad)
+            core = slot.core
+            if core is None:  # a non-contiguous parameter: a contiguous copy, written back after
+                core, written = slot.scratch(p)
+                scratch.append((p, written))
+            cores.append(core)
+            if grad.requires_grad:
+                grad = grad.detach()
+            grads.append(grad if grad.is_contiguous() else grad.contiguous())
+        if not cores:
+            return
+        beta1, beta2 = group["betas"]
+        _core.adam_step_group(
+            self._executor, cores, grads,
+            lr=_scalar(group["lr"]),
+            beta1=_scalar(beta1),
+            beta2=_scalar(beta2),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decoupled=group["decoupled_weight_decay"],
+            maximize=group["maximize"],
+        )
+        for p, written in scratch:
+            p.copy_(written)
 
     def _step_nvme(self) -> None:
         """One step of every parameter with a gradient, state on NVMe: one C++
@@ -635,20 +722,7 @@ class Adam(Optimizer):
             return loss
         for group in self.param_groups:
             _check_group(group)
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters = self._init_group(group)
-            beta1, beta2 = group["betas"]
-            adam(
-                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters,
-                executor=self._executor,
-                amsgrad=group["amsgrad"],
-                beta1=beta1,
-                beta2=beta2,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=group["maximize"],
-                decoupled_weight_decay=group["decoupled_weight_decay"],
-            )
+            self._step_group(group)
         return loss
 
 
