@@ -109,12 +109,18 @@ def run_tierflow(shapes, case, steps, threads):
     return median_step(opt.step, steps)
 
 
-def run_torch(shapes, case, steps, threads):
+def fp32_master(shapes):
+    """fp32 parameters with their gradients, as a peer steps them."""
     master, grads = model_tensors(shapes, torch.float32)
     master = [torch.nn.Parameter(p) for p in master]
     for p, g in zip(master, grads):
         p.grad = g
-    opt = torch.optim.AdamW(master, lr=1e-4, fused=True)
+    return master
+
+
+def time_peer(opt, master, case, steps):
+    """A peer's step on its fp32 master; in the bf16 case followed by the
+    copy_ into the model's bf16 parameters a trainer using it must make."""
     if case == "fp32":
         return median_step(opt.step, steps)
     model = [p.detach().to(torch.bfloat16) for p in master]
@@ -126,6 +132,11 @@ def run_torch(shapes, case, steps, threads):
                 m.copy_(p)
 
     return median_step(step, steps)
+
+
+def run_torch(shapes, case, steps, threads):
+    master = fp32_master(shapes)
+    return time_peer(torch.optim.AdamW(master, lr=1e-4, fused=True), master, case, steps)
 
 
 def warm_memory(shapes) -> None:
@@ -142,26 +153,13 @@ def run_deepspeed(shapes, case, steps, threads):
             from deepspeed.ops.adam import DeepSpeedCPUAdam
     except Exception as e:  # not installed, or its import fails
         return f"not available: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
-    master, grads = model_tensors(shapes, torch.float32)
-    master = [torch.nn.Parameter(p) for p in master]
-    for p, g in zip(master, grads):
-        p.grad = g
+    master = fp32_master(shapes)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # so does its op's build
             opt = DeepSpeedCPUAdam(master, lr=1e-4, adamw_mode=True)
     except Exception as e:  # its CPU op did not build
         return f"not available: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
-    if case == "fp32":
-        return median_step(opt.step, steps)
-    model = [p.detach().to(torch.bfloat16) for p in master]
-
-    def step():
-        opt.step()
-        with torch.no_grad():
-            for m, p in zip(model, master):
-                m.copy_(p)
-
-    return median_step(step, steps)
+    return time_peer(opt, master, case, steps)
 
 
 def run_kernel(shapes, case, steps, threads, binary):
