@@ -49,17 +49,8 @@ std::span<const float> cpu_device::gradient(std::size_t w) const {
 }
 
 void cpu_device::column_importance(std::size_t w, importance_norm norm, std::span<float> out) {
-  const std::uint64_t rows = weights_[w].rows;
   TF_ASSERT(out.size() == weights_[w].cols);
-  const float* g = gradient(w).data();
-  for (std::size_t c = 0; c < out.size(); ++c) {
-    double sum = 0;
-    for (std::uint64_t r = 0; r < rows; ++r) {
-      const double x = g[c * rows + r];
-      sum += norm == importance_norm::l1 ? std::fabs(x) : x * x;
-    }
-    out[c] = static_cast<float>(sum);
-  }
+  column_norms(gradient(w), weights_[w].rows, norm, out);
 }
 
 void cpu_device::update_owned(std::size_t w, std::int64_t step) {

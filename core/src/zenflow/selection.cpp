@@ -8,6 +8,19 @@
 
 namespace tierflow::zenflow {
 
+void column_norms(std::span<const float> grad, std::uint64_t rows, importance_norm norm, std::span<float> out) {
+  TF_ASSERT(grad.size() == rows * out.size(), "column_norms: the gradient is not rows x columns");
+  const float* g = grad.data();
+  for (std::size_t c = 0; c < out.size(); ++c) {
+    double sum = 0;
+    for (std::uint64_t r = 0; r < rows; ++r) {
+      const double x = g[c * rows + r];
+      sum += norm == importance_norm::l1 ? std::fabs(x) : x * x;
+    }
+    out[c] = static_cast<float>(sum);
+  }
+}
+
 std::size_t columns_to_keep(std::size_t columns, double topk_ratio) {
   if (columns == 0) return 0;
   const auto k = static_cast<std::size_t>(std::ceil(topk_ratio * static_cast<double>(columns) - 1e-9));

@@ -58,17 +58,8 @@ standin_device::standin_device(const std::vector<weight_shape>& weights, update_
 }
 
 void standin_device::column_importance(std::size_t w, importance_norm norm, std::span<float> out) {
-  const std::uint64_t rows = weights_[w].rows;
   TF_ASSERT(out.size() == weights_[w].cols);
-  const float* g = grad_[w].data();
-  for (std::size_t c = 0; c < out.size(); ++c) {
-    double sum = 0;
-    for (std::uint64_t r = 0; r < rows; ++r) {
-      const double x = g[c * rows + r];
-      sum += norm == importance_norm::l1 ? std::fabs(x) : x * x;
-    }
-    out[c] = static_cast<float>(sum);
-  }
+  column_norms(grad_[w], weights_[w].rows, norm, out);
 }
 
 void standin_device::update_owned(std::size_t w, std::int64_t step) {

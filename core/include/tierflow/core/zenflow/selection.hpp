@@ -10,10 +10,17 @@
 #include <span>
 #include <vector>
 
+#include "tierflow/core/zenflow/config.hpp"
+
 namespace tierflow::zenflow {
 
 // How many of `columns` a ratio keeps: ceil(ratio · columns), at least one.
 std::size_t columns_to_keep(std::size_t columns, double topk_ratio);
+
+// Each column's importance from a gradient stored column after column
+// (`rows` elements each, out.size() columns): Σ|g| with l1, Σg² with l2,
+// summed in double. What a device side on host memory reports.
+void column_norms(std::span<const float> grad, std::uint64_t rows, importance_norm norm, std::span<float> out);
 
 // The `k` columns of highest importance, as ascending column indices. Ties go
 // to the lower index, so the answer does not depend on the sort's whims.
