@@ -79,6 +79,27 @@ def _master_of(p: Tensor) -> Tensor:
     return p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
 
+def _restore_fp32_state(optimizer: Optimizer, state_dict: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """After torch's load_state_dict, which casts every state tensor to its
+    parameter's dtype: gives each bf16/fp16 parameter back its fp32 `keys`
+    from `state_dict`, and remakes a master that does not round to the
+    parameter (carried, untouched, through an optimizer that updated the
+    parameter alone: torch.optim's) from the parameter."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    for saved_id, p in zip(saved_ids, params):
+        saved = state_dict["state"].get(saved_id)
+        if p.dtype not in _LOW_PRECISION or saved is None:
+            continue
+        state = optimizer.state[p]
+        for key in keys:
+            if torch.is_tensor(saved.get(key)):
+                state[key] = saved[key].to(device="cpu", dtype=torch.float32, copy=True)
+        master = state.get(MASTER_KEY)
+        if master is not None and not torch.equal(master.to(p.dtype), p.detach()):
+            state[MASTER_KEY] = _master_of(p)
+
+
 def _kernel_view(t: Tensor) -> Tensor:
     """The tensor itself as the kernel reads it (a DLPack view needs no autograd)."""
     return t.detach()
@@ -592,17 +613,7 @@ class Adam(Optimizer):
             return
         super().load_state_dict(state_dict)
         self._cpu_slots.clear()  # they hold the replaced state
-        for saved_id, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(saved_id)
-            if p.dtype not in _LOW_PRECISION or saved is None:
-                continue
-            state = self.state[p]
-            for key in _FP32_STATE:
-                if torch.is_tensor(saved.get(key)):
-                    state[key] = saved[key].to(device="cpu", dtype=torch.float32, copy=True)
-            master = state.get(MASTER_KEY)
-            if master is not None and not torch.equal(master.to(p.dtype), p.detach()):
-                state[MASTER_KEY] = _master_of(p)
+        _restore_fp32_state(self, state_dict, _FP32_STATE)
         for group in self.param_groups:
             _check_group(group)
 

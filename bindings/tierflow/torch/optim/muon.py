@@ -19,7 +19,14 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from tierflow import _core
-from tierflow.torch.optim.adam import _LOW_PRECISION, MASTER_KEY, _kernel_view, _master_of, _scalar
+from tierflow.torch.optim.adam import (
+    _LOW_PRECISION,
+    MASTER_KEY,
+    _kernel_view,
+    _master_of,
+    _restore_fp32_state,
+    _scalar,
+)
 
 __all__ = ["Muon", "muon", "muon_param_groups", "MuonParamGroups"]
 
@@ -283,19 +290,7 @@ class Muon(Optimizer):
         was carried, untouched, through an optimizer that updated the parameter
         alone (torch.optim's): it is made again from the parameter."""
         super().load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        for saved_id, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(saved_id)
-            if p.dtype not in _LOW_PRECISION or saved is None:
-                continue
-            state = self.state[p]
-            for key in _FP32_STATE:
-                if torch.is_tensor(saved.get(key)):
-                    state[key] = saved[key].to(device="cpu", dtype=torch.float32, copy=True)
-            master = state.get(MASTER_KEY)
-            if master is not None and not torch.equal(master.to(p.dtype), p.detach()):
-                state[MASTER_KEY] = _master_of(p)
+        _restore_fp32_state(self, state_dict, _FP32_STATE)
         for group in self.param_groups:
             _check_group(group)
 
