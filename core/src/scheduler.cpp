@@ -135,7 +135,9 @@ void prefetch_scheduler::prefetch_from(std::size_t position) {
     if (bytes > left) break;  // the budget bounds the lookahead
     left -= bytes;
     if (j >= prefetched_until_ && j > position) {
-      store_.prefetch(a.block, a.where, traffic_class::prefetch);
+      // An overwrite replaces every byte: nothing needs loading ahead of it
+      // (a prefetch would read bytes about to be discarded).
+      if (a.mode != access::overwrite) store_.prefetch(a.block, a.where, traffic_class::prefetch);
       prefetched_until_ = j + 1;
     }
   }

@@ -105,6 +105,35 @@ TEST(Scheduler, ReRecordsWhenTheOrderChanges) {
   EXPECT_EQ(sched.stats().rerecords, 1u);
 }
 
+// A gradient buffer that each iteration overwrites before anything reads it:
+// the scheduler must not load its stale bytes ahead of the overwrite.
+TEST(Scheduler, DoesNotPrefetchWhatIsOverwritten) {
+  testing::temp_dir dir;
+  auto store = make_test_store(dir.path(), 8 * mib);
+  const auto ids = make_blocks(*store, 4, mib, "grad");
+  auto host_loads = [&] {
+    for (const auto& tier : store->telemetry().tiers) {
+      if (tier.kind == tier_kind::host) return tier.loads;
+    }
+    return std::uint64_t{0};
+  };
+  const std::uint64_t loads_before = host_loads();
+  prefetch_scheduler sched(*store);
+  for (int i = 0; i < 3; ++i) {
+    sched.begin_iteration();
+    for (const block_id id : ids) {
+      lease l = sched.acquire(id, tier_kind::host, access::overwrite);
+      std::memset(l.wait().data(), 0, mib);
+      sched.release(std::move(l), dirty::yes);
+      store->evict(id, tier_kind::host);
+    }
+    sched.end_iteration();
+    store->flush();
+  }
+  EXPECT_EQ(store->telemetry().prefetches, 0u);
+  EXPECT_EQ(host_loads(), loads_before) << "an overwritten block was loaded";
+}
+
 TEST(Scheduler, GivenScheduleIsCheckedAgainstTheStore) {
   testing::temp_dir dir;
   auto store = make_test_store(dir.path(), 4 * mib);
