@@ -3,7 +3,9 @@ host memory and NVMe.
 
 This package is the Python face of tierflow's C++ core (the extension
 ``tierflow._core``): :func:`info` reports what the machine offers,
-:class:`Store` is the block store over tiers with budgets, and
+:class:`Store` is the block store over tiers with budgets (its
+:class:`Lease` gives a block's copy in a tier, zero-copy, and a
+:class:`PrefetchScheduler` leases blocks ahead of a training loop), and
 :mod:`tierflow.torch.optim` holds torch optimizers whose steps run in
 tierflow's CPU kernels, :func:`tierflow.config.from_deepspeed` reads a
 DeepSpeed config into tierflow's typed one. Errors are :mod:`tierflow.errors`'
@@ -22,10 +24,11 @@ except ImportError as e:  # the pure-Python files without the built extension
     ) from e
 
 from tierflow import config
-from tierflow._core import Store
+from tierflow._core import Lease, PrefetchScheduler, Store
 from tierflow.errors import BudgetError, TierflowError
 
-__all__ = ["info", "simd_targets", "Store", "config", "TierflowError", "BudgetError", "__version__"]
+__all__ = ["info", "simd_targets", "Store", "Lease", "PrefetchScheduler", "config", "TierflowError",
+           "BudgetError", "__version__"]
 
 __version__: str = _core.__version__
 
