@@ -561,13 +561,15 @@ class TierflowOptions:
     """The optional ``tierflow`` section, for what DeepSpeed has no key for:
     the device and host memory budgets in bytes (ints, or sizes such as
     "8G"), the directory of the NVMe tier's files (used where an NVMe
-    offload names no nvme_path) and the CPU threads of the optimizer step.
-    None: tierflow decides."""
+    offload names no nvme_path), the CPU threads of the optimizer step and
+    whether the ZeRO-3 engine records a trace of its transfers and waits
+    (``trace``, default false). None: tierflow decides."""
 
     device_memory: int | None = None
     host_memory: int | None = None
     nvme_dir: str | None = None
     threads: int | None = None
+    trace: bool = False
 
 
 @dataclass(frozen=True)
@@ -737,7 +739,7 @@ class Config:
         e += [(f"fp16.{f.name}", getattr(self.fp16, f.name)) for f in dataclasses.fields(self.fp16)]
         e.append(("bf16.enabled", self.bf16.enabled))
         e += [(f"tierflow.{f.name}", getattr(self.tierflow, f.name)) for f in dataclasses.fields(self.tierflow)
-              if getattr(self.tierflow, f.name) is not None]
+              if getattr(self.tierflow, f.name) not in (None, False)]
         return e
 
 
@@ -1427,11 +1429,12 @@ def _read_tierflow(run: _Run, top: _Section) -> TierflowOptions:
         host_memory=s.get("host_memory", optional(_size), None),
         nvme_dir=s.get("nvme_dir", optional(_text), None),
         threads=s.get("threads", optional(_whole(1, 4096)), None),
+        trace=s.get("trace", _flag, False),
     )
     # tierflow's own section has no foreign keys to carry over: a typo is an error.
     for name in s.data:
         if name not in s.taken:
-            raise ValueError(f"tierflow.{name}: unknown key (device_memory, host_memory, nvme_dir, threads)")
+            raise ValueError(f"tierflow.{name}: unknown key (device_memory, host_memory, nvme_dir, threads, trace)")
     return options
 
 
