@@ -8,8 +8,9 @@ This package is the Python face of tierflow's C++ core (the extension
 :class:`PrefetchScheduler` leases blocks ahead of a training loop), and
 :mod:`tierflow.torch.optim` holds torch optimizers whose steps run in
 tierflow's CPU kernels, :func:`tierflow.config.from_deepspeed` reads a
-DeepSpeed config into tierflow's typed one. Errors are :mod:`tierflow.errors`'
-classes.
+DeepSpeed config into tierflow's typed one, and :func:`initialize` with
+:mod:`tierflow.zero` train a torch model under tierflow's ZeRO-3 engine.
+Errors are :mod:`tierflow.errors`' classes.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from tierflow import config
 from tierflow._core import Lease, PrefetchScheduler, Store
 from tierflow.errors import BudgetError, TierflowError
 
-__all__ = ["info", "simd_targets", "Store", "Lease", "PrefetchScheduler", "config", "TierflowError",
-           "BudgetError", "__version__"]
+__all__ = ["info", "simd_targets", "initialize", "Store", "Lease", "PrefetchScheduler", "config", "zero",
+           "TierflowError", "BudgetError", "__version__"]
 
 __version__: str = _core.__version__
 
@@ -47,3 +48,20 @@ def info(path: str | None = None) -> dict:
 def simd_targets() -> list[str]:
     """The SIMD targets the optimizer kernels can run here, best first."""
     return _core.simd_targets()
+
+
+def initialize(*args, **kwargs):
+    """``engine, optimizer, dataloader, lr_scheduler = tierflow.initialize(model=...,
+    config=ds_config)``: :func:`tierflow.zero.initialize`, DeepSpeed's shape."""
+    from tierflow.zero import initialize as _initialize
+
+    return _initialize(*args, **kwargs)
+
+
+def __getattr__(name: str):
+    # tierflow.zero imports torch: only when it is used.
+    if name == "zero":
+        import importlib
+
+        return importlib.import_module("tierflow.zero")
+    raise AttributeError(f"module 'tierflow' has no attribute {name!r}")

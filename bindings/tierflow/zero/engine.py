@@ -1,0 +1,521 @@
+"""The training engine: :func:`initialize` and :class:`Engine`, shaped like
+DeepSpeed's, over tierflow's store and optimizers.
+
+Stage 3 keeps every parameter in the store (partition.py) and fetches it
+around its module's forward and backward (hooks.py); the optimizer steps the
+parameters batch by batch in host memory, each batch's compute copies and
+gradients leased there while its state streams from where it lives. Stages 0–2
+keep the parameters where the model has them and step them with tierflow's
+optimizer (state in host memory or on NVMe) or ZenFlow.
+
+DeepSpeed's semantics hold: :meth:`Engine.backward` scales the loss by
+1/``gradient_accumulation_steps`` (and by the loss scale under fp16),
+:meth:`Engine.step` is called after every micro-batch and updates at the
+accumulation boundary, clipping the gradients' global norm to
+``gradient_clipping`` first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+import warnings
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from tierflow.config import AUTO, AdamConfig, Config, MuonConfig, from_deepspeed
+from tierflow.zero import checkpoint as _checkpoint
+from tierflow.zero.init import mark, store_of
+from tierflow.zero.hooks import ModuleHooks, ParameterAccess, saved_tensor_hooks
+from tierflow.zero.partition import ParamStore, Partition
+from tierflow.zero.plan import Plan, format_bytes, make_plan, parameters_of
+
+__all__ = ["Engine", "initialize", "LossScaler"]
+
+
+class LossScaler:
+    """fp16's dynamic loss scale, as DeepSpeed's: an overflow skips the step
+    and divides the scale by 2 (after ``hysteresis`` overflows in a row), and
+    ``loss_scale_window`` steps without one double it; a static scale when
+    ``loss_scale`` is given."""
+
+    def __init__(self, initial: float, dynamic: bool, window: int, hysteresis: int, minimum: float) -> None:
+        self.scale = float(initial)
+        self.dynamic = dynamic
+        self.window = window
+        self.hysteresis = hysteresis
+        self.minimum = float(minimum)
+        self._good = 0
+        self._hysteresis_left = hysteresis
+        self.overflows = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.overflows += 1
+            self._good = 0
+            if not self.dynamic:
+                return
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self.scale = max(self.minimum, self.scale / 2)
+                self._hysteresis_left = self.hysteresis
+            return
+        self._good += 1
+        if self.dynamic and self._good % self.window == 0:
+            self.scale *= 2
+            self._hysteresis_left = self.hysteresis
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "good": self._good, "hysteresis_left": self._hysteresis_left,
+                "overflows": self.overflows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self._good = int(state["good"])
+        self._hysteresis_left = int(state["hysteresis_left"])
+        self.overflows = int(state["overflows"])
+
+
+def _whole_value(config: Config, name: str) -> int:
+    value = getattr(config, name)
+    if value is AUTO:
+        raise ValueError(f'{name}: "auto" is unresolved; give a number (initialize() has no Trainer to fill it in)')
+    return int(value)
+
+
+class Engine:
+    """A model trained under tierflow: call it as the model, then
+    :meth:`backward` and :meth:`step` after every micro-batch.
+
+    Attributes: ``module`` (the model), ``optimizer``, ``lr_scheduler``,
+    ``config`` (the :class:`~tierflow.config.Config`), ``plan`` (stage 3's
+    :class:`~tierflow.zero.plan.Plan`, else None), ``global_steps``,
+    ``micro_steps``, ``skipped_steps`` (fp16 overflows), ``loss_scale``.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Config, model_parameters: Iterable | None = None,
+                 lr_scheduler: Any = None, params: ParamStore | None = None) -> None:
+        self.module = model
+        self.config = config
+        self.gradient_accumulation_steps = _whole_value(config, "gradient_accumulation_steps")
+        clip = config.gradient_clipping
+        if clip is AUTO:
+            raise ValueError('gradient_clipping: "auto" is unresolved; give a number (0 turns clipping off)')
+        self.gradient_clipping = float(clip)
+        precision = config.precision
+        if precision is AUTO:
+            raise ValueError('bf16.enabled / fp16.enabled: "auto" is unresolved; give true or false')
+        self.precision = precision
+        self.stage = config.zero.stage
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        f = config.fp16
+        self.scaler = LossScaler(f.initial_scale, f.dynamic, f.loss_scale_window, f.hysteresis,
+                                 f.min_loss_scale) if precision == "fp16" else None
+        self.plan: Plan | None = None
+        self.params: ParamStore | None = None
+        self.hooks: ModuleHooks | None = None
+        self._norm_sq = 0.0
+        self._finite = True
+        self._norm_counted: set[int] = set()
+        self._busy = 0.0  # seconds inside forward, backward and step
+        self._closed = False
+
+        self._check_optimizer()  # before anything moves: a refused config leaves the model as it was
+        if self.stage == 3:
+            self._partition(model, params)
+        elif params is not None:
+            raise ValueError("zero_optimization.stage: the model was built under tierflow.zero.Init, which needs stage 3")
+        elif precision != "fp32":
+            model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
+        trainable = list(model_parameters) if model_parameters is not None else list(model.parameters())
+        trainable = [p for p in trainable if isinstance(p, torch.Tensor) and p.requires_grad] \
+            if trainable and isinstance(trainable[0], torch.Tensor) else trainable
+        try:
+            self.optimizer = self._make_optimizer(trainable)
+        except BaseException:
+            if self.params is not None:  # the model gets its values back, the store its files
+                if self.hooks is not None:
+                    self.hooks.remove()
+                self.params.restore_all()
+                self.params.close()
+            raise
+        if lr_scheduler is not None:
+            self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
+                else lr_scheduler
+        elif config.scheduler is not None:
+            self.lr_scheduler = config.scheduler.build(self.optimizer)
+        else:
+            self.lr_scheduler = None
+
+    # ---- construction -------------------------------------------------------------------------
+
+    def _partition(self, model: torch.nn.Module, params: ParamStore | None) -> None:
+        plan = make_plan(model, self.config)
+        if params is None:
+            params = ParamStore(plan, trace=bool(getattr(self.config.tierflow, "trace", False)))
+        else:  # built under zero.Init: its store's budgets must hold this model's working set
+            if params.plan.device_budget < plan.minimum_device:
+                raise ValueError(f"tierflow.device_memory: {format_bytes(params.plan.device_budget)} cannot hold "
+                                 f"{plan.minimum_device_reason}; give at least {plan.minimum_device} bytes")
+            if params.plan.host_budget < plan.minimum_host:
+                raise ValueError(f"tierflow.host_memory: {format_bytes(params.plan.host_budget)} cannot hold "
+                                 f"{plan.minimum_host_reason}; give at least {plan.minimum_host} bytes")
+            plan = _with_budgets(plan, params.plan)
+            params.plan = plan
+        self.plan = plan
+        self.params = params
+        for info, (name, _, p) in zip(plan.params, parameters_of(model)):
+            part = params.part_of(p)
+            if part is None:
+                params.adopt(p, name, persistent=info.persistent)
+                mark(p, params)
+            else:
+                part.name, part.persistent = name, info.persistent
+        self.hooks = ModuleHooks(model, params, self._on_grad)
+
+    def _check_optimizer(self) -> None:
+        opt = self.config.optimizer
+        if opt is None:
+            raise ValueError("optimizer: missing; the engine steps the optimizer the config names "
+                             "(type Adam or AdamW, with its params)")
+        if self.config.zero.zenflow is not None:
+            if self.stage == 3:
+                raise ValueError("zero_optimization.zenflow: ZenFlow runs at stages 1 and 2 (parameters on the "
+                                 "device, as DeepSpeed's ZenFlow); at stage 3 tierflow's engine steps synchronously")
+            if not isinstance(opt, AdamConfig):
+                raise ValueError(f"optimizer.type: {opt.type} with zenflow; ZenFlow steps Adam or AdamW")
+        if isinstance(opt, MuonConfig):
+            raise ValueError("optimizer.type: Muon; the engine steps Adam or AdamW for now "
+                             "(tierflow.torch.optim.Muon steps Muon in a plain torch loop)")
+        for name in ("lr", "betas", "eps", "weight_decay"):
+            if getattr(opt, name) is AUTO:
+                raise ValueError(f'optimizer.params.{name}: "auto" is unresolved; give a value')
+
+    def _make_optimizer(self, trainable: list) -> torch.optim.Optimizer:
+        opt = self.config.optimizer
+        threads = self.config.tierflow.threads
+        z = self.config.zero
+        if z.zenflow is not None:
+            from tierflow.torch.optim import ZenFlow
+
+            zf = {k: getattr(z.zenflow, k) for k in ("topk_ratio", "select_strategy", "select_interval",
+                                                      "update_interval", "overlap_step", "auto_ratio",
+                                                      "full_warm_up_rounds", "pt_reserved_cores_perc")}
+            return ZenFlow(trainable, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+                           decoupled_weight_decay=opt.decoupled_weight_decay, zenflow=zf, threads=threads)
+        from tierflow.torch.optim import Adam, AdamW
+
+        cls = AdamW if opt.decoupled_weight_decay else Adam
+        kwargs: dict[str, Any] = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+                                      amsgrad=opt.amsgrad, threads=threads)
+        if z.offload_optimizer.device == "nvme":
+            root = z.offload_optimizer.nvme_path or self.config.tierflow.nvme_dir
+            kwargs.update(offload="nvme", nvme_dir=os.path.join(root, "tierflow-optimizer"))
+            os.makedirs(kwargs["nvme_dir"], mode=0o700, exist_ok=True)
+            if self.plan is not None and self.plan.optimizer_host_budget is not None:
+                kwargs["host_memory"] = self.plan.optimizer_host_budget
+        return cls(trainable, **kwargs)
+
+    # ---- the training loop --------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward. At stage 3 its parameters are fetched module by
+        module (prefetched during training from the recorded order)."""
+        start = time.perf_counter()
+        try:
+            if self.params is None:
+                return self.module(*args, **kwargs)
+            training = self.module.training and torch.is_grad_enabled()
+            if training:
+                self.params.begin_iteration()
+            access = ParameterAccess(self.params, keep=True)
+            try:
+                with access, saved_tensor_hooks(self.params):
+                    return self.module(*args, **kwargs)
+            finally:
+                access.release_kept()
+                if not training:
+                    self.params.release_all(keep_persistent=self.params.in_iteration)
+        finally:
+            self._busy += time.perf_counter() - start
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of ``loss`` / gradient_accumulation_steps (× the loss scale
+        under fp16); at stage 3 each gradient goes to the store as it is made.
+        Returns the loss, unscaled."""
+        start = time.perf_counter()
+        try:
+            scale = 1.0 / self.gradient_accumulation_steps
+            if self.scaler is not None:
+                scale *= self.scaler.scale
+            self._need_norm = self.is_gradient_accumulation_boundary() and (
+                self.gradient_clipping > 0 or self.scaler is not None)
+            (loss * scale).backward(retain_graph=retain_graph)
+            if self.params is not None:
+                self.params.release_all(keep_persistent=True)
+            return loss
+        finally:
+            self._busy += time.perf_counter() - start
+
+    def _on_grad(self, part: Partition, grad: torch.Tensor) -> None:
+        need = getattr(self, "_need_norm", False)
+        sq, finite = self.params.accumulate_grad(part, grad, norm=need)
+        if need:
+            self._norm_sq += sq
+            self._finite = self._finite and finite
+            self._norm_counted.add(part.index)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next :meth:`step` updates the parameters."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """Ends a micro-batch; at the accumulation boundary, clips, steps the
+        optimizer and the lr scheduler (fp16: an overflow skips the update,
+        lowers the scale and counts in ``skipped_steps``)."""
+        start = time.perf_counter()
+        try:
+            boundary = self.is_gradient_accumulation_boundary()
+            self.micro_steps += 1
+            if not boundary:
+                return
+            if self.params is not None:
+                applied = self._step_partitioned()
+            else:
+                applied = self._step_resident()
+            if applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+                self.global_steps += 1
+        finally:
+            self._busy += time.perf_counter() - start
+
+    def _clip_factor(self, norm_sq: float, finite: bool) -> tuple[float, bool]:
+        """The factor that unscales and clips the gradients, and whether the step goes ahead."""
+        ls = self.scaler.scale if self.scaler is not None else 1.0
+        overflow = not finite
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+            if overflow:
+                self.skipped_steps += 1
+                warnings.warn(f"tierflow: fp16 gradient overflow at step {self.global_steps + 1}; the step is "
+                              f"skipped and the loss scale is now {self.scaler.scale:g}", RuntimeWarning,
+                              stacklevel=3)
+                return 0.0, False
+        norm = math.sqrt(norm_sq) / ls if finite else math.inf
+        self.last_grad_norm = norm if (self.gradient_clipping > 0 or self.scaler is not None) else None
+        factor = 1.0 / ls
+        if self.gradient_clipping > 0 and norm > self.gradient_clipping:
+            factor *= self.gradient_clipping / (norm + 1e-6)
+        return factor, True
+
+    def _step_partitioned(self) -> bool:
+        params = self.params
+        factor, go = 1.0, True
+        if self.gradient_clipping > 0 or self.scaler is not None:
+            norm_sq, finite = self._norm_sq, self._finite
+            for part in params.parts:  # gradients the last micro-batch did not touch
+                if not part.grad_empty and part.index not in self._norm_counted:
+                    sq, ok = _one_norm(params, part)
+                    norm_sq, finite = norm_sq + sq, finite and ok
+            factor, go = self._clip_factor(norm_sq, finite)
+        self._norm_sq, self._finite = 0.0, True
+        self._norm_counted.clear()
+        try:
+            if go:
+                params.release_all(keep_persistent=False)
+                # One parameter at a time (see ParamStore.step_parts); the
+                # scheduler loads the next ones' blocks meanwhile.
+                for part in params.step_parts():
+                    with params.stepping([part], factor):
+                        self.optimizer.step()
+        finally:
+            params.clear_grads()
+            params.end_iteration()
+        return go
+
+    def _step_resident(self) -> bool:
+        grads = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        go = True
+        if self.gradient_clipping > 0 or self.scaler is not None:
+            norm_sq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) ** 2 for p in grads)
+            factor, go = self._clip_factor(norm_sq, math.isfinite(norm_sq))
+            if go and factor != 1.0:
+                with torch.no_grad():
+                    for p in grads:
+                        p.grad.mul_(factor)
+        if go:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return go
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the gradients accumulated since the last step."""
+        if self.params is not None:
+            self.params.clear_grads()
+        else:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DeepSpeed's context for micro-batches whose gradients are not
+        reduced across ranks. With one process there is nothing to skip:
+        gradients accumulate in the store either way."""
+        yield
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    # ---- reports ------------------------------------------------------------------------------
+
+    def memory_stats(self) -> dict[str, Any]:
+        """What each tier holds and held at most (bytes), the bytes moved on
+        each link, and the time forward/backward/step waited for parameters:
+        ``{"tiers": {name: {"budget", "used", "high_water"}}, "bytes":
+        {"nvme->host": n, ...}, "stall_seconds", "stall_fraction",
+        "optimizer": {...}}``."""
+        out: dict[str, Any] = {"tiers": {}, "bytes": {}, "stall_seconds": 0.0, "stall_fraction": 0.0}
+        if self.params is not None:
+            t = self.params.telemetry()
+            out["tiers"] = _tiers_of(t)
+            out["bytes"] = {link["name"]: link["bytes"] for link in t["links"]}
+            out["stall_seconds"] = t["stall_seconds"]
+            out["stall_fraction"] = t["stall_seconds"] / self._busy if self._busy > 0 else 0.0
+            out["scheduler"] = self.params.scheduler.stats
+        telemetry = getattr(self.optimizer, "telemetry", None)
+        if callable(telemetry):
+            opt = telemetry()
+            if opt is not None:
+                out["optimizer"] = {"tiers": _tiers_of(opt),
+                                    "bytes": {link["name"]: link["bytes"] for link in opt["links"]}}
+        return out
+
+    def write_trace(self, path: str | os.PathLike) -> None:
+        """Writes the Perfetto / Chrome trace of the store's transfers and waits
+        (stage 3 with ``tierflow.trace`` true)."""
+        if self.params is None:
+            raise ValueError("write_trace: only stage 3 keeps parameters in the store")
+        self.params.write_trace(path)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
+                        client_state: dict | None = None, save_latest: bool = True) -> str:
+        """Saves the model, the optimizer and the engine into ``save_dir/tag``
+        (tag default ``global_step<N>``) and, with ``save_latest``, names it in
+        ``save_dir/latest``. A save interrupted (even by SIGKILL) leaves the
+        previous tag and ``latest`` as they were. Returns the tag's path."""
+        return _checkpoint.save(self, os.fspath(save_dir), tag, client_state or {}, save_latest)
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
+                        load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True) -> tuple[str | None, dict | None]:
+        """Loads ``load_dir/tag`` (default: the tag ``latest`` names) and returns
+        ``(path, client_state)``; ``(None, None)`` when there is no ``latest``."""
+        return _checkpoint.load(self, os.fspath(load_dir), tag, load_optimizer_states, load_lr_scheduler_states)
+
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors") -> str:
+        """The model's weights in their compute dtype (bf16/fp16, or fp32 when
+        training in fp32) as one safetensors file, streamed parameter by
+        parameter. Returns its path."""
+        return _checkpoint.export(self, os.fspath(save_dir), save_filename, fp32=False)
+
+    def save_fp32_model(self, save_dir: str | os.PathLike, save_filename: str = "model_fp32.safetensors") -> str:
+        """The fp32 master weights as one safetensors file, streamed. Returns its path."""
+        return _checkpoint.export(self, os.fspath(save_dir), save_filename, fp32=True)
+
+    def close(self) -> None:
+        """Releases the store and the optimizer's files (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.hooks is not None:
+            self.hooks.remove()
+        close = getattr(self.optimizer, "close", None)
+        if callable(close):
+            close()
+        if self.params is not None:
+            self.params.close()
+
+
+def _tiers_of(telemetry: dict) -> dict[str, dict[str, int]]:
+    """{"device": {"budget", "used", "high_water"}, ...} from a store's telemetry."""
+    return {t["kind"]: {"budget": t["budget_bytes"], "used": t["used_bytes"], "high_water": t["high_water_bytes"]}
+            for t in telemetry["tiers"]}
+
+
+def _one_norm(params: ParamStore, part: Partition) -> tuple[float, bool]:
+    lease = params._lease(part.grad_block, "host", "read")
+    try:
+        sq = float(torch.linalg.vector_norm(params._grad_view(lease, part), dtype=torch.float64)) ** 2
+    finally:
+        params._unlease(lease, dirty=False)
+    return sq, math.isfinite(sq)
+
+
+def _with_budgets(plan: Plan, given: Plan) -> Plan:
+    import dataclasses
+
+    return dataclasses.replace(plan, device_budget=given.device_budget, host_budget=given.host_budget,
+                               param_home=given.param_home, grad_home=given.grad_home, nvme_dir=given.nvme_dir)
+
+
+def initialize(model: torch.nn.Module | None = None, model_parameters: Iterable | None = None,
+               config: str | os.PathLike | dict | Config | None = None, training_data: Any = None,
+               lr_scheduler: Any = None, *, optimizer: Any = None, collate_fn: Callable | None = None,
+               config_params: dict | None = None,
+               args: Any = None) -> tuple[Engine, torch.optim.Optimizer, Any, Any]:
+    """``engine, optimizer, dataloader, lr_scheduler`` for ``model`` under a
+    DeepSpeed config (a JSON path, a dict, or :class:`~tierflow.config.Config`),
+    as ``deepspeed.initialize`` returns them.
+
+    The config is read by :func:`tierflow.config.from_deepspeed` (every key it
+    does not act on is warned about by name). ``model_parameters`` are the
+    parameters to train (default: all that require grad). ``training_data``
+    (a torch Dataset) gives a DataLoader of ``train_micro_batch_size_per_gpu``
+    with shuffling; ``lr_scheduler`` (an instance, or a callable taking the
+    optimizer) replaces the config's scheduler. A client ``optimizer`` is not
+    taken: the engine steps the optimizer the config names.
+    """
+    if model is None:
+        raise ValueError("model: initialize() needs the torch module to train")
+    if optimizer is not None:
+        raise ValueError("optimizer: a client optimizer is not taken; name it in the config's optimizer "
+                         "section (tierflow steps its own Adam/AdamW)")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ValueError("config: initialize() needs a DeepSpeed config (a path, a dict or a tierflow Config)")
+    if not isinstance(config, Config):
+        config = from_deepspeed(config, model=model)
+    engine = Engine(model, config, model_parameters, lr_scheduler, params=store_of(model))
+    loader = None
+    if training_data is not None:
+        batch = config.train_micro_batch_size_per_gpu
+        if batch is AUTO:
+            raise ValueError('train_micro_batch_size_per_gpu: "auto" is unresolved; give the micro-batch size')
+        loader = torch.utils.data.DataLoader(training_data, batch_size=int(batch), shuffle=True,
+                                             collate_fn=collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler

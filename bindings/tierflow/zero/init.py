@@ -1,0 +1,251 @@
+"""Building a model straight into the store (:class:`Init`) and full access
+to chosen parameters (:class:`GatheredParameters`).
+
+Under :class:`Init`, each module's parameters move into the store as soon as
+the module's own ``__init__`` returns, so a model whose weights exceed host
+memory is built one module at a time: the most that is ever in RAM is the
+module being built (and the host tier's budget). What a parent module does to
+its children's parameters afterwards (``self.apply(self._init_weights)``, a
+tied weight) reaches the store through :class:`~tierflow.zero.hooks.ParameterAccess`,
+active for the whole context.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Iterable
+
+import torch
+
+from tierflow.config import AUTO, Config, from_deepspeed
+from tierflow.zero.hooks import ParameterAccess
+from tierflow.zero.partition import ParamStore
+from tierflow.zero.plan import PAGE, Plan, format_bytes, pages
+
+__all__ = ["Init", "GatheredParameters", "store_of"]
+
+# A parameter in a store carries it (keeping the store alive as long as the model).
+_STORE_ATTRIBUTE = "_tierflow_store"
+
+
+def store_of(model: torch.nn.Module) -> ParamStore | None:
+    """The store ``model``'s parameters were built into under :class:`Init`, if any."""
+    for p in model.parameters():
+        store = getattr(p, _STORE_ATTRIBUTE, None)
+        if store is not None and store.part_of(p) is not None:
+            return store
+    return None
+
+
+def mark(p: torch.nn.Parameter, store: ParamStore) -> None:
+    """Records that ``p`` lives in ``store``."""
+    setattr(p, _STORE_ATTRIBUTE, store)
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        for sub in c.__subclasses__():
+            out.append(sub)
+            todo.append(sub)
+    return out
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def _plan_without_model(config: Config) -> Plan:
+    """Budgets from the config alone (the model is not built yet): the
+    ``tierflow`` section's, else DeepSpeed's buffer keys, each capped at a
+    quarter of the memory available now (the model's own size is unknown)."""
+    precision = config.precision
+    if precision is AUTO:
+        raise ValueError('bf16.enabled / fp16.enabled: "auto" is unresolved; give true or false')
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    element = torch.empty((), dtype=dtype).element_size()
+    z, t = config.zero, config.tierflow
+    if z.stage != 3:
+        raise ValueError(f"zero_optimization.stage: {z.stage}; tierflow.zero.Init builds a model for stage 3")
+    param_home = "nvme" if z.offload_param.device == "nvme" else "host"
+    grad_home = "nvme" if z.offload_optimizer.device == "nvme" else "host"
+    optimizer_offload = "nvme" if z.offload_optimizer.device == "nvme" else "cpu"
+    nvme_dir = (z.offload_param.nvme_path if param_home == "nvme" else None) or \
+        (z.offload_optimizer.nvme_path if grad_home == "nvme" else None) or t.nvme_dir
+    cap = _available_memory() // 4
+    if t.device_memory is not None:
+        device = int(t.device_memory)
+    else:
+        live = z.stage3_max_live_parameters + (z.stage3_prefetch_bucket_size
+                                               if z.stage3_prefetch_bucket_size is not AUTO else 50_000_000)
+        device = min(cap, live * element)
+    optimizer_host = None
+    if t.host_memory is not None:
+        total = int(t.host_memory)
+        if optimizer_offload == "nvme":
+            optimizer_host = max(64 << 10, total // 4)
+        host = total - (optimizer_host or 0)
+    else:
+        op, oo = z.offload_param, z.offload_optimizer
+        params_part = (op.buffer_count * op.buffer_size + op.max_in_cpu) * element if param_home == "nvme" else cap
+        grads_part = oo.buffer_count * z.sub_group_size * 4 if grad_home == "nvme" else cap
+        host = min(cap, params_part + grads_part)
+        if optimizer_offload == "nvme":
+            optimizer_host = max(64 << 10, min(cap, oo.buffer_count * z.sub_group_size * 4))
+    return Plan(compute_dtype=dtype, param_home=param_home, grad_home=grad_home, optimizer_offload=optimizer_offload,
+                nvme_dir=nvme_dir, device_budget=pages(max(device, PAGE)), host_budget=pages(max(host, PAGE)),
+                optimizer_host_budget=optimizer_host, params=(), param_bytes=0, grad_bytes=0, state_bytes=0,
+                minimum_device=0, minimum_device_reason="", minimum_host=0, minimum_host_reason="",
+                sources={"device": "tierflow.device_memory" if t.device_memory is not None else "zero.Init's default",
+                         "host": "tierflow.host_memory" if t.host_memory is not None else "zero.Init's default"})
+
+
+class Init:
+    """``with tierflow.zero.Init(config=ds_config): model = MyModel()`` builds
+    the model's parameters straight into a ZeRO-3 store, module by module;
+    pass the model to :func:`tierflow.initialize` with the same config.
+
+    ``config``: the DeepSpeed config (path, dict or Config; stage 3). The
+    store's budgets come from its ``tierflow`` section (``device_memory``,
+    ``host_memory``) or DeepSpeed's buffer keys, capped at a quarter of the
+    memory available (the model's size is not known yet). ``enabled=False``
+    builds the model normally. Parameters whose dtype is floating point are
+    cast to the config's precision as they move in.
+    """
+
+    def __init__(self, config: str | os.PathLike | dict | Config | None = None, *, enabled: bool = True,
+                 config_dict_or_path: Any = None, **ignored_deepspeed_arguments: Any) -> None:
+        if ignored_deepspeed_arguments:
+            raise ValueError(f"{next(iter(ignored_deepspeed_arguments))}: not an argument tierflow.zero.Init takes "
+                             "(config, enabled, config_dict_or_path)")
+        config = config if config is not None else config_dict_or_path
+        self.enabled = enabled
+        if not enabled:
+            return
+        if config is None:
+            raise ValueError("config: tierflow.zero.Init needs the run's DeepSpeed config (stage 3)")
+        self.config = config if isinstance(config, Config) else from_deepspeed(config)
+        self.plan = _plan_without_model(self.config)
+        threshold = self.config.zero.stage3_param_persistence_threshold
+        self.threshold = 100_000 if threshold is AUTO else int(threshold)
+        self.params = ParamStore(self.plan, trace=self.config.tierflow.trace)
+        self._patched: dict[type, Any] = {}
+        self._access: ParameterAccess | None = None
+        self._count = 0
+
+    def _partition(self, module: torch.nn.Module) -> None:
+        for local, p in module.named_parameters(recurse=False):
+            if self.params.part_of(p) is not None:
+                continue
+            self._count += 1
+            self.params.adopt(p, f"{type(module).__name__}.{local}#{self._count}",
+                              persistent=p.numel() <= self.threshold)
+            mark(p, self.params)
+
+    def _wrap(self, cls: type) -> None:
+        init = cls.__dict__.get("__init__")
+        if init is None or cls in self._patched:
+            return
+        outer = self
+
+        @functools.wraps(init)
+        def wrapper(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+            depth = module.__dict__.get("_tierflow_init_depth", 0)
+            module.__dict__["_tierflow_init_depth"] = depth + 1
+            try:
+                init(module, *args, **kwargs)
+            finally:
+                module.__dict__["_tierflow_init_depth"] = depth
+            if depth == 0:  # the module's own __init__, not a base class's inside it
+                module.__dict__.pop("_tierflow_init_depth", None)
+                outer._partition(module)
+
+        self._patched[cls] = init
+        cls.__init__ = wrapper
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        for cls in _all_subclasses(torch.nn.Module):
+            self._wrap(cls)
+        original = torch.nn.Module.__dict__.get("__init_subclass__")
+        self._init_subclass = original
+        outer = self
+
+        def init_subclass(cls: type, **kwargs: Any) -> None:
+            super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+            outer._wrap(cls)
+
+        torch.nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+        self._access = ParameterAccess(self.params, keep=False)
+        self._access.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        self._access.__exit__(*exc)
+        for cls, init in self._patched.items():
+            cls.__init__ = init
+        self._patched.clear()
+        if self._init_subclass is None:
+            del torch.nn.Module.__init_subclass__
+        else:
+            torch.nn.Module.__init_subclass__ = self._init_subclass  # type: ignore[assignment]
+
+
+class GatheredParameters:
+    """``with GatheredParameters(params, modifier_rank=0):`` every parameter in
+    ``params`` (one, or an iterable) holds its full values (its host copy)
+    inside the context; with ``modifier_rank`` not None what the block writes is
+    kept. Parameters not in a tierflow store pass through untouched. Raises
+    ValueError when the parameters cannot all fit in the host tier at once."""
+
+    def __init__(self, params: torch.nn.Parameter | Iterable[torch.nn.Parameter], modifier_rank: int | None = None,
+                 fwd_module: Any = None, enabled: bool = True) -> None:
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = list(params)
+        self.write = modifier_rank is not None
+        self.enabled = enabled
+        self.held: list[tuple[Any, Any, Any]] = []
+
+    def __enter__(self) -> None:
+        if not self.enabled:
+            return
+        by_store: dict[int, tuple[ParamStore, list]] = {}
+        for p in self.params:
+            store = getattr(p, _STORE_ATTRIBUTE, None)
+            part = store.part_of(p) if store is not None else None
+            if part is not None:
+                by_store.setdefault(id(store), (store, []))[1].append(part)
+        for store, parts in by_store.values():
+            need = sum(pages(x.nbytes) for x in parts)
+            if need > store.plan.host_budget:
+                raise ValueError(f"params: {len(parts)} parameters need {format_bytes(need)} of host memory at once, "
+                                 f"beyond the host tier's {format_bytes(store.plan.host_budget)}; gather fewer")
+        try:
+            for store, parts in by_store.values():
+                for part in parts:
+                    store.release(part)
+                    lease, view = store.host_view(part, "write" if self.write else "read")
+                    self.held.append((store, part, lease))
+                    part.param.data = view
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        for store, part, lease in self.held:
+            part.param.data = part.placeholder
+            store.end_host(lease, dirty=self.write)
+        self.held.clear()

@@ -1,0 +1,408 @@
+"""The parameters of a ZeRO-3 run, kept in tierflow's block store.
+
+Each parameter's compute copy is one block, homed in host memory or on NVMe;
+its fp32 gradient is another. Between uses the parameter's ``.data`` is a
+placeholder of its shape that holds one element (so ``numel()``, ``shape`` and
+the optimizer's bookkeeping still see the real parameter). :meth:`fetch`
+leases the block into the device tier and points ``.data`` at the lease's
+memory — a torch tensor over the tier's bytes, no copy — and :meth:`release`
+ends the lease and puts the placeholder back.
+
+During a training iteration (the micro-batches up to an optimizer step) every
+lease goes through the core's prefetch scheduler, so the order of the first
+iteration is recorded and the next ones load each block ahead of its use
+within the tiers' budgets; an iteration that departs from the recorded order
+is served on demand and re-recorded, never an error. Outside one (eval, a
+forward under ``no_grad``, a checkpoint) leases go to the store directly.
+
+The hooks that decide *when* to fetch and release live in hooks.py; this
+module owns the store and the bookkeeping, and is the only one that touches
+leases.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from tierflow import _core
+from tierflow.zero.plan import PAGE, Plan, format_bytes, pages
+
+__all__ = ["ParamStore", "Partition"]
+
+
+class Partition:
+    """One parameter in the store: its blocks, its shape and where it is now."""
+
+    __slots__ = ("param", "name", "index", "shape", "dtype", "numel", "nbytes", "block", "grad_block",
+                 "persistent", "lease", "grad_empty", "placeholder", "requires_grad", "hook")
+
+    def __init__(self, param: torch.nn.Parameter, name: str, index: int, persistent: bool) -> None:
+        self.param = param
+        self.name = name
+        self.index = index
+        self.shape = tuple(param.shape)
+        self.dtype = param.dtype
+        self.numel = param.numel()
+        self.nbytes = self.numel * param.element_size()
+        self.persistent = persistent
+        self.requires_grad = param.requires_grad
+        self.block = -1
+        self.grad_block = -1
+        self.lease: Any = None      # the device lease while resident
+        self.grad_empty = True      # no gradient accumulated since the last step
+        self.placeholder = _placeholder(param)
+        self.hook: Any = None
+
+    @property
+    def resident(self) -> bool:
+        return self.lease is not None
+
+    def __repr__(self) -> str:
+        return f"Partition({self.name!r}, {list(self.shape)}, {self.dtype}, resident={self.resident})"
+
+
+def _placeholder(param: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``param``'s shape and dtype that holds one element: what
+    ``.data`` is while the parameter lives in the store."""
+    one = torch.zeros(1, dtype=param.dtype, device=param.device)
+    return one.expand(param.shape) if param.dim() else one.reshape(())
+
+
+@dataclass
+class _Saved:
+    """A tensor autograd saved that views a parameter's memory, kept as the
+    parameter and the view's geometry instead (hooks.py's pack hook): the
+    memory goes back to the tier after the forward, and the backward fetches
+    it again."""
+
+    part: Partition
+    offset: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class ParamStore:
+    """The block store of one ZeRO-3 run and the partitions in it.
+
+    ``plan`` gives the tiers' budgets and the blocks' homes; ``device_backend``
+    "auto" uses the CUDA pool when a GPU is present and the host stand-in (a
+    budgeted region of host memory) otherwise; ``trace`` records every
+    transfer and wait for :meth:`write_trace`.
+    """
+
+    def __init__(self, plan: Plan, *, device_backend: str = "auto", trace: bool = False) -> None:
+        self.plan = plan
+        needs_nvme = "nvme" in (plan.param_home, plan.grad_home)
+        if needs_nvme and not plan.nvme_dir:
+            raise ValueError("zero_optimization.offload_param.nvme_path: parameters or gradients on NVMe "
+                             "need a directory (or tierflow.nvme_dir)")
+        nvme_dir = None
+        if needs_nvme:
+            nvme_dir = os.path.join(os.fspath(plan.nvme_dir), "tierflow-zero3")
+            os.makedirs(nvme_dir, mode=0o700, exist_ok=True)
+        nvme_bytes = (plan.param_bytes if plan.param_home == "nvme" else 0) + \
+                     (plan.grad_bytes if plan.grad_home == "nvme" else 0)
+        # A file no larger than the blocks need; a block larger than one gets a file of its own.
+        file_size = max(PAGE, min(256 << 20, pages(nvme_bytes)))
+        self.store = _core.Store(plan.host_budget, nvme_dir=nvme_dir,
+                                 nvme_budget=(1 << 60) if needs_nvme else 0,
+                                 device_budget=plan.device_budget, device_backend=device_backend,
+                                 trace=trace, file_size=file_size)
+        self.nvme_dir = nvme_dir
+        self.scheduler = _core.PrefetchScheduler(self.store)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.store.device_is_cuda \
+            else torch.device("cpu")
+        self.parts: list[Partition] = []
+        self._by_id: dict[int, Partition] = {}
+        self._resident: dict[int, Partition] = {}  # data pointer of the device view -> partition
+        self._resident_bytes = 0
+        self._scheduled: set = set()  # leases taken through the scheduler (released through it)
+        self.in_iteration = False
+        self.closed = False
+
+    # ---- registration -------------------------------------------------------------------------
+
+    def part_of(self, param: Any) -> Partition | None:
+        return self._by_id.get(id(param))
+
+    def adopt(self, param: torch.nn.Parameter, name: str, *, persistent: bool) -> Partition:
+        """Moves ``param`` into the store: its blocks are made at their homes,
+        its values written there, and ``.data`` becomes the placeholder."""
+        if id(param) in self._by_id:
+            return self._by_id[id(param)]
+        if param.dtype != self.plan.compute_dtype and param.is_floating_point():
+            with torch.no_grad():
+                param.data = param.data.to(self.plan.compute_dtype)
+        part = Partition(param, name, len(self.parts), persistent)
+        safe = name.replace("/", "_")
+        part.block = self.store.create_block(f"{safe}.param", max(part.nbytes, 1), self.plan.param_home)
+        if part.requires_grad:
+            part.grad_block = self.store.create_block(f"{safe}.grad", max(part.numel * 4, 1), self.plan.grad_home)
+        lease = self.store.acquire(part.block, "host", "overwrite")
+        try:
+            with torch.no_grad():
+                self._view(lease, part).copy_(param.data.reshape(part.shape))
+        finally:
+            lease.release(dirty=True)
+        self.parts.append(part)
+        self._by_id[id(param)] = part
+        param.data = part.placeholder
+        return part
+
+    # ---- views --------------------------------------------------------------------------------
+
+    def _bytes(self, lease: Any) -> torch.Tensor:
+        return torch.from_dlpack(lease.wait())
+
+    def _view(self, lease: Any, part: Partition) -> torch.Tensor:
+        """The lease's bytes as the parameter: its dtype and shape, no copy."""
+        raw = self._bytes(lease)[: part.nbytes]
+        return raw.view(part.dtype).view(part.shape)
+
+    def _grad_view(self, lease: Any, part: Partition) -> torch.Tensor:
+        return self._bytes(lease)[: part.numel * 4].view(torch.float32).view(part.shape)
+
+    # ---- residency on the device --------------------------------------------------------------
+
+    def fetch(self, part: Partition) -> None:
+        """Makes ``part`` resident in the device tier (a no-op when it is)."""
+        if part.lease is not None:
+            return
+        need = pages(part.nbytes)
+        if self._resident_bytes + need > self.plan.device_budget:
+            held = ", ".join(p.name for p in self._resident.values())
+            raise RuntimeError(
+                f"tierflow.device_memory: {format_bytes(self.plan.device_budget)} cannot hold '{part.name}' "
+                f"({format_bytes(need)}) beside what this step holds at once ({format_bytes(self._resident_bytes)}: "
+                f"{held}); give at least {self._resident_bytes + need} bytes")
+        lease = self._lease(part.block, "device", "read")
+        view = self._view(lease, part)
+        part.lease = lease
+        part.param.data = view
+        self._resident[view.untyped_storage().data_ptr()] = part
+        self._resident_bytes += need
+
+    def release(self, part: Partition) -> None:
+        """Ends ``part``'s residency: ``.data`` is the placeholder again."""
+        lease = part.lease
+        if lease is None:
+            return
+        self._resident.pop(part.param.data.untyped_storage().data_ptr(), None)
+        part.param.data = part.placeholder
+        part.lease = None
+        self._resident_bytes -= pages(part.nbytes)
+        self._unlease(lease, dirty=False)
+
+    def release_all(self, *, keep_persistent: bool) -> None:
+        for part in list(self._resident.values()):
+            if not (keep_persistent and part.persistent):
+                self.release(part)
+
+    def resident_part(self, tensor: torch.Tensor) -> Partition | None:
+        """The partition whose device memory ``tensor`` views, if any."""
+        if not self._resident:
+            return None
+        try:
+            return self._resident.get(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (meta, sparse...)
+            return None
+
+    # Leases through the scheduler during an iteration, else the store.
+    def _lease(self, block: int, tier: str, mode: str) -> Any:
+        if self.in_iteration:
+            lease = self.scheduler.acquire(block, tier, mode)
+            self._scheduled.add(lease)
+            return lease
+        lease = self.store.acquire(block, tier, mode)
+        lease.wait()
+        return lease
+
+    def _unlease(self, lease: Any, dirty: bool) -> None:
+        if lease in self._scheduled:
+            self._scheduled.discard(lease)
+            self.scheduler.release(lease, dirty)
+        else:
+            lease.release(dirty)
+
+    # ---- iterations ---------------------------------------------------------------------------
+
+    def begin_iteration(self) -> None:
+        if not self.in_iteration:
+            self._scheduled = set()
+            self.scheduler.begin_iteration()
+            self.in_iteration = True
+
+    def end_iteration(self) -> None:
+        if self.in_iteration:
+            self.release_all(keep_persistent=False)
+            self.scheduler.end_iteration()
+            self.in_iteration = False
+
+    # ---- gradients ----------------------------------------------------------------------------
+
+    def accumulate_grad(self, part: Partition, grad: torch.Tensor, *, norm: bool) -> tuple[float, bool]:
+        """Adds ``grad`` into ``part``'s fp32 gradient block (the first
+        micro-batch since a step overwrites it). With ``norm``, returns the
+        accumulated gradient's squared L2 norm and whether it is all finite."""
+        mode = "overwrite" if part.grad_empty else "write"
+        lease = self._lease(part.grad_block, "host", mode)
+        try:
+            view = self._grad_view(lease, part)
+            with torch.no_grad():
+                if part.grad_empty:
+                    view.copy_(grad)
+                else:
+                    view.add_(grad.to(torch.float32))
+                sq, finite = 0.0, True
+                if norm:
+                    sq = float(torch.linalg.vector_norm(view, dtype=torch.float64).item()) ** 2
+                    finite = math.isfinite(sq)
+        except BaseException:
+            self._unlease(lease, dirty=False)
+            raise
+        self._unlease(lease, dirty=True)
+        part.grad_empty = False
+        return sq, finite
+
+    def grad_norm_sq(self) -> tuple[float, bool]:
+        """The squared L2 norm of every accumulated gradient (one read of each)."""
+        total, finite = 0.0, True
+        for part in self.parts:
+            if part.grad_block < 0 or part.grad_empty:
+                continue
+            lease = self._lease(part.grad_block, "host", "read")
+            try:
+                sq = float(torch.linalg.vector_norm(self._grad_view(lease, part), dtype=torch.float64).item()) ** 2
+            finally:
+                self._unlease(lease, dirty=False)
+            total += sq
+            finite = finite and math.isfinite(sq)
+        return total, finite
+
+    def clear_grads(self) -> None:
+        for part in self.parts:
+            part.grad_empty = True
+
+    # ---- the optimizer's pass -----------------------------------------------------------------
+
+    def step_parts(self) -> Iterator[Partition]:
+        """The parameters with a gradient, in order. The optimizer steps them
+        one at a time: a parameter's compute copy and gradient are the only
+        host leases held, so (with the plan's host budget of twice the largest
+        pair) they always find room, however the tier's free space lies."""
+        for part in self.parts:
+            if part.grad_block >= 0 and not part.grad_empty:
+                yield part
+
+    def stepping(self, batch: list[Partition], grad_scale: float) -> "_Stepping":
+        """A context in which every parameter of ``batch`` has its host copy as
+        ``.data`` (written back when it ends) and its gradient, multiplied by
+        ``grad_scale``, as ``.grad``."""
+        return _Stepping(self, batch, grad_scale)
+
+    # ---- whole-parameter access (checkpoints, GatheredParameters, state_dict) ------------------
+
+    def read(self, part: Partition) -> torch.Tensor:
+        """A CPU copy of ``part``'s values."""
+        lease = self._lease(part.block, "host", "read")
+        try:
+            return self._view(lease, part).clone()
+        finally:
+            self._unlease(lease, dirty=False)
+
+    def host_view(self, part: Partition, mode: str) -> tuple[Any, torch.Tensor]:
+        """A host lease of ``part``'s block and its values (end it with :meth:`end_host`)."""
+        lease = self._lease(part.block, "host", mode)
+        return lease, self._view(lease, part)
+
+    def end_host(self, lease: Any, dirty: bool) -> None:
+        self._unlease(lease, dirty)
+
+    def write(self, part: Partition, values: torch.Tensor) -> None:
+        """Replaces ``part``'s values (the device copy, if resident, first)."""
+        self.release(part)
+        lease = self._lease(part.block, "host", "overwrite")
+        try:
+            with torch.no_grad():
+                self._view(lease, part).copy_(values.reshape(part.shape))
+        except BaseException:
+            self._unlease(lease, dirty=False)
+            raise
+        self._unlease(lease, dirty=True)
+
+    # ---- reporting ----------------------------------------------------------------------------
+
+    def telemetry(self) -> dict:
+        return self.store.telemetry()
+
+    def write_trace(self, path: str | os.PathLike) -> None:
+        self.store.write_trace(os.fspath(path))
+
+    def flush(self) -> None:
+        self.store.flush()
+
+    def restore_all(self) -> None:
+        """Gives every parameter its values back as a plain tensor (a run
+        that could not start leaves the model as it found it)."""
+        self.release_all(keep_persistent=False)
+        for part in self.parts:
+            part.param.data = self.read(part)
+
+    def close(self) -> None:
+        """Ends every lease and closes the store (its files are removed). The
+        parameters keep their placeholders; the store is no longer theirs."""
+        if self.closed:
+            return
+        self.end_iteration()
+        self.release_all(keep_persistent=False)
+        self.store.close()
+        self.closed = True
+        for part in self.parts:  # no cycle keeps the store alive past its engine
+            part.param.__dict__.pop("_tierflow_store", None)
+        self._by_id.clear()
+        self.scheduler = None
+        self.store = None
+
+
+class _Stepping:
+    def __init__(self, owner: ParamStore, batch: list[Partition], grad_scale: float) -> None:
+        self.owner, self.batch, self.grad_scale = owner, batch, grad_scale
+        self.leases: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> list[Partition]:
+        o = self.owner
+        try:
+            for part in self.batch:
+                o.release(part)
+                pl = o._lease(part.block, "host", "write")
+                gl = o._lease(part.grad_block, "host", "write")
+                self.leases.append((pl, gl))
+                part.param.data = o._view(pl, part)
+                grad = o._grad_view(gl, part)
+                if self.grad_scale != 1.0:
+                    grad.mul_(self.grad_scale)
+                # torch wants a gradient of the parameter's dtype: a bf16/fp16
+                # parameter steps its fp32 master from the accumulated fp32
+                # gradient rounded once, as torch's own bf16 training does.
+                part.param.grad = grad if part.dtype == torch.float32 else grad.to(part.dtype)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self.batch
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        o = self.owner
+        for part, (pl, gl) in zip(self.batch, self.leases):
+            part.param.grad = None
+            part.param.data = part.placeholder
+            # The updated parameter is the newest copy (dirty) unless the step
+            # failed; the consumed gradient is overwritten by the next micro-batch.
+            o._unlease(pl, dirty=exc_type is None)
+            o._unlease(gl, dirty=False)
+        self.leases.clear()

@@ -1,0 +1,282 @@
+"""Where a ZeRO-3 run keeps what, and how much memory each tier may use.
+
+A :class:`Plan` is made from a model's parameters and a :class:`~tierflow.config.Config`
+before any byte moves, so a run that cannot fit is refused at once with the
+budget it would need, and :func:`estimate_memory` can print the same figures
+for a model that was never trained.
+
+What lives where (ZeRO-3):
+
+* each parameter's compute copy (its dtype: fp32, or bf16/fp16 under
+  ``bf16``/``fp16``) is one block homed in host memory
+  (``offload_param.device`` "cpu" or "none") or on NVMe ("nvme"), leased into
+  the device tier around its module's forward and backward;
+* each parameter's gradient, accumulated in fp32 across micro-batches, is one
+  block homed in host memory (``offload_optimizer.device`` "cpu"/"none") or
+  on NVMe ("nvme");
+* the optimizer's state (Adam's moments, and the fp32 master of a bf16/fp16
+  parameter; an fp32 parameter's compute copy *is* its master) belongs to the
+  optimizer: host memory, or NVMe streamed through its own host budget.
+
+The budgets, without a ``tierflow`` section, follow DeepSpeed's own keys so a
+DeepSpeed config places as much in host memory under tierflow as under
+DeepSpeed: the parameter store's host tier holds ``offload_param.buffer_count ×
+buffer_size`` elements plus ``max_in_cpu`` with parameters on NVMe, and the
+gradients' ``offload_optimizer.buffer_count × sub_group_size`` elements with
+gradients on NVMe; the optimizer's stream gets ``offload_optimizer.buffer_count
+× sub_group_size`` fp32 elements. Every budget is capped at what it could ever
+hold. ``tierflow.device_memory`` is the device tier's budget (default: the
+parameters DeepSpeed keeps live, ``stage3_max_live_parameters`` plus
+``stage3_prefetch_bucket_size`` elements, capped at all of them);
+``tierflow.host_memory`` is the whole host budget of the run, a quarter of it
+(at most) for the optimizer's stream and the rest for the parameter store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from tierflow.config import AUTO, Config
+
+__all__ = ["Plan", "ParamInfo", "make_plan", "estimate_memory", "format_bytes"]
+
+PAGE = 4096
+_MIN_OPTIMIZER_HOST = 64 << 10  # OffloadedAdam's minimum: four sub-groups of a page per buffer
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole 4 KiB pages, as the store allocates."""
+    return -(-nbytes // PAGE) * PAGE
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter as the plan sees it: its name (the first module path that
+    holds it), element count, the module that owns it and whether it stays
+    resident on the device for the whole step (at most
+    ``stage3_param_persistence_threshold`` elements)."""
+
+    name: str
+    numel: int
+    module: str
+    persistent: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The tiers' budgets (bytes) and homes of a ZeRO-3 run; see the module's docstring."""
+
+    compute_dtype: torch.dtype
+    param_home: str         # "host" or "nvme"
+    grad_home: str          # "host" or "nvme"
+    optimizer_offload: str  # "cpu" or "nvme"
+    nvme_dir: str | None
+    device_budget: int
+    host_budget: int        # the parameter store's host tier
+    optimizer_host_budget: int | None  # the optimizer's stream (nvme), else None
+    params: tuple[ParamInfo, ...]
+    param_bytes: int        # compute copies, page-aligned
+    grad_bytes: int         # fp32 gradients, page-aligned
+    state_bytes: int        # the optimizer's fp32 state
+    minimum_device: int     # the most the device must hold at once
+    minimum_device_reason: str
+    minimum_host: int
+    minimum_host_reason: str
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def rows(self) -> list[tuple[str, str, str, str]]:
+        """(what, where, bytes, note) for the table :func:`estimate_memory` prints."""
+        dt = str(self.compute_dtype).removeprefix("torch.")
+        state_where = "host memory" if self.optimizer_offload == "cpu" else "nvme"
+        return [
+            (f"parameters ({dt})", self.param_home, format_bytes(self.param_bytes),
+             f"{len(self.params)} tensors; leased into the device tier around each module"),
+            ("gradients (fp32)", self.grad_home, format_bytes(self.grad_bytes), "accumulated across micro-batches"),
+            ("optimizer state (fp32)", state_where, format_bytes(self.state_bytes),
+             "moments" + (" and master" if self.compute_dtype != torch.float32 else "; the fp32 parameter is its master")),
+        ]
+
+    def describe(self) -> str:
+        lines = ["tierflow ZeRO-3 memory plan"]
+        width = max(len(r[0]) for r in self.rows())
+        for what, where, size, note in self.rows():
+            lines.append(f"  {what:<{width}}  {where:<11} {size:>10}  {note}")
+        lines.append("  budgets:")
+        lines.append(f"    device tier         {format_bytes(self.device_budget):>10}  "
+                     f"(needs at least {format_bytes(self.minimum_device)}: {self.minimum_device_reason}) "
+                     f"[{self.sources.get('device', '')}]")
+        lines.append(f"    host tier (params)  {format_bytes(self.host_budget):>10}  "
+                     f"(needs at least {format_bytes(self.minimum_host)}: {self.minimum_host_reason}) "
+                     f"[{self.sources.get('host', '')}]")
+        if self.optimizer_host_budget is not None:
+            lines.append(f"    host (optimizer)    {format_bytes(self.optimizer_host_budget):>10}  "
+                         f"the NVMe state streams through it [{self.sources.get('optimizer', '')}]")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def _named_params(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Parameter]]:
+    """(name, owning module's path, parameter) for every distinct parameter,
+    the first path that holds it (as ``named_parameters`` dedups)."""
+    out, seen = [], set()
+    for module_name, module in model.named_modules():
+        for local, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            name = f"{module_name}.{local}" if module_name else local
+            out.append((name, module_name, p))
+    return out
+
+
+def _module_working_sets(model: torch.nn.Module, persistent: set[int], element_bytes: int) -> tuple[int, str]:
+    """The largest set of (non-persistent) parameters one module holds
+    directly, in aligned bytes, and that module's name."""
+    best, where = 0, "no module has parameters"
+    for module_name, module in model.named_modules():
+        size = sum(pages(p.numel() * element_bytes) for p in module.parameters(recurse=False)
+                   if id(p) not in persistent)
+        if size > best:
+            best, where = size, f"module '{module_name or '<root>'}'"
+    return best, where
+
+
+def _resolved(value: Any, default: int) -> int:
+    return default if value is AUTO else int(value)
+
+
+def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] | None = None) -> Plan:
+    """The plan of ``model`` under ``config`` (stage 3). ``sizes`` gives the
+    element count of parameters whose ``numel()`` does not tell it (none
+    normally: a parameter partitioned by tierflow keeps its shape). Raises
+    ValueError naming the key when a budget cannot hold the working set, with
+    the minimum that would do."""
+    if config.zero.stage != 3:
+        raise ValueError(f"zero_optimization.stage: {config.zero.stage}; a ZeRO-3 plan needs stage 3")
+    precision = config.precision
+    if precision is AUTO:
+        raise ValueError('bf16.enabled / fp16.enabled: "auto" is unresolved; give true or false')
+    dtype = _DTYPES[precision]
+    element = torch.empty((), dtype=dtype).element_size()
+    z = config.zero
+    param_home = "nvme" if z.offload_param.device == "nvme" else "host"
+    grad_home = "nvme" if z.offload_optimizer.device == "nvme" else "host"
+    optimizer_offload = "nvme" if z.offload_optimizer.device == "nvme" else "cpu"
+    nvme_dirs = {d for d in (z.offload_param.nvme_path if param_home == "nvme" else None,
+                             z.offload_optimizer.nvme_path if grad_home == "nvme" else None) if d}
+    nvme_dir = sorted(nvme_dirs)[0] if nvme_dirs else None
+    if len(nvme_dirs) > 1:
+        # One store, one NVMe tier: both offloads' files go to the parameters' directory.
+        nvme_dir = z.offload_param.nvme_path
+
+    threshold = _resolved(z.stage3_param_persistence_threshold, 100_000)
+    named = _named_params(model)
+    sizes = sizes or {}
+    infos = []
+    for name, module_name, p in named:
+        n = sizes.get(name, p.numel())
+        infos.append(ParamInfo(name, n, module_name, n <= threshold))
+    persistent = {id(p) for (_, _, p), info in zip(named, infos) if info.persistent}
+    param_bytes = sum(pages(i.numel * element) for i in infos)
+    grad_bytes = sum(pages(i.numel * 4) for i in infos)
+    low_precision = dtype != torch.float32
+    amsgrad = bool(getattr(config.optimizer, "amsgrad", False))
+    state_bytes = sum(i.numel * 4 * (2 + int(amsgrad) + int(low_precision)) for i in infos)
+
+    # Each tier is one region its copies are carved from, and a copy in use
+    # cannot move: the budgets hold twice what is in use at once, so the copies
+    # held can never split the free room into pieces too small for the next.
+    persistent_bytes = sum(pages(i.numel * element) for i in infos if i.persistent)
+    module_set, module_name = _module_working_sets(model, persistent, element)
+    minimum_device = 2 * (module_set + persistent_bytes)
+    device_reason = f"twice {module_name}'s parameters" + (
+        f" and the {sum(i.persistent for i in infos)} persistent ones" if persistent_bytes else "")
+    largest = max(infos, key=lambda i: i.numel, default=None)
+    minimum_host = 2 * (pages(largest.numel * element) + pages(largest.numel * 4)) if largest else PAGE
+    host_reason = f"twice '{largest.name}' and its gradient, stepped together" if largest else "no parameters"
+
+    sources: dict[str, str] = {}
+    t = config.tierflow
+    if t.device_memory is not None:
+        device_budget, sources["device"] = int(t.device_memory), "tierflow.device_memory"
+        if device_budget < minimum_device:
+            raise ValueError(f"tierflow.device_memory: {format_bytes(device_budget)} cannot hold {device_reason}; "
+                             f"give at least {format_bytes(minimum_device)} ({minimum_device} bytes)")
+    else:
+        live = (z.stage3_max_live_parameters + _resolved(z.stage3_prefetch_bucket_size, 50_000_000)) * element
+        device_budget = max(minimum_device, min(param_bytes, pages(live)))
+        sources["device"] = ("all parameters" if device_budget == param_bytes
+                             else "stage3_max_live_parameters + stage3_prefetch_bucket_size")
+
+    optimizer_host: int | None = None
+    if t.host_memory is not None:
+        total = int(t.host_memory)
+        if optimizer_offload == "nvme":
+            optimizer_host = max(_MIN_OPTIMIZER_HOST, min(total // 4, pages(state_bytes)))
+        host_budget = total - (optimizer_host or 0)
+        sources["host"] = sources["optimizer"] = "tierflow.host_memory"
+        if host_budget < minimum_host:
+            need = minimum_host + (optimizer_host or 0)
+            raise ValueError(f"tierflow.host_memory: {format_bytes(total)} cannot hold {host_reason}"
+                             + (" beside the optimizer's stream" if optimizer_host else "")
+                             + f"; give at least {format_bytes(need)} ({need} bytes)")
+    else:
+        params_part = param_bytes
+        if param_home == "nvme":
+            op = z.offload_param
+            params_part = min(param_bytes, pages((op.buffer_count * op.buffer_size + op.max_in_cpu) * element))
+        grads_part = grad_bytes
+        if grad_home == "nvme":
+            oo = z.offload_optimizer
+            grads_part = min(grad_bytes, pages(oo.buffer_count * z.sub_group_size * 4))
+        host_budget = max(minimum_host, params_part + grads_part)
+        sources["host"] = "offload_param / offload_optimizer buffers (DeepSpeed's keys)"
+        if optimizer_offload == "nvme":
+            oo = z.offload_optimizer
+            optimizer_host = max(_MIN_OPTIMIZER_HOST, min(pages(state_bytes), pages(oo.buffer_count * z.sub_group_size * 4)))
+            sources["optimizer"] = "offload_optimizer.buffer_count × sub_group_size"
+    if (param_home == "nvme" or grad_home == "nvme" or optimizer_offload == "nvme") and nvme_dir is None:
+        nvme_dir = t.nvme_dir
+    return Plan(compute_dtype=dtype, param_home=param_home, grad_home=grad_home,
+                optimizer_offload=optimizer_offload, nvme_dir=nvme_dir, device_budget=pages(device_budget),
+                host_budget=pages(host_budget), optimizer_host_budget=optimizer_host, params=tuple(infos),
+                param_bytes=param_bytes, grad_bytes=grad_bytes, state_bytes=state_bytes,
+                minimum_device=minimum_device, minimum_device_reason=device_reason,
+                minimum_host=minimum_host, minimum_host_reason=host_reason, sources=sources)
+
+
+def estimate_memory(model: torch.nn.Module, config: Any, *, print_table: bool = True) -> Plan:
+    """What each tier will hold for ``model`` under ``config`` (a DeepSpeed
+    config's path or dict, or a :class:`~tierflow.config.Config`), before any
+    work starts: printed as a table (unless ``print_table`` is False) and
+    returned as the :class:`Plan`. Raises ValueError as :func:`tierflow.initialize`
+    would for budgets that cannot hold the working set."""
+    from tierflow.config import from_deepspeed
+
+    if not isinstance(config, Config):
+        config = from_deepspeed(config, model=model)
+    plan = make_plan(model, config)
+    if print_table:
+        print(plan.describe())
+    return plan
+
+
+def parameters_of(model: torch.nn.Module) -> Iterable[tuple[str, str, torch.nn.Parameter]]:
+    """The distinct parameters of ``model`` with their names and owning modules."""
+    return _named_params(model)

@@ -1,0 +1,419 @@
+"""tierflow's ZeRO-3 engine against plain torch: parameters and state in the
+store (host memory and NVMe files in the test's directory), the device tier
+the host stand-in with a budget well below the model."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tierflow
+from tierflow.zero import GatheredParameters, estimate_memory
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.ln(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding tied to the LM head, four blocks; `skip` leaves one block out."""
+
+    def __init__(self, vocab=64, d=64, layers=4, checkpoint=False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        nn.init.normal_(self.emb.weight, std=0.1)
+        self.checkpoint = checkpoint
+        self.skip = None
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for i, b in enumerate(self.blocks):
+            if i == self.skip:
+                continue
+            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False) if self.checkpoint else b(h)
+        logits = self.head(self.ln(h))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def model_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def batches(n, seed=3, vocab=64, batch=4, seq=16):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
+    return [(x, (3 * x + 1) % vocab) for x in xs]  # a rule the model can learn
+
+
+def ds_config(nvme, device_memory=None, host_memory=None, gas=2, clip=1.0, **extra):
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.99], "eps": 1e-8,
+                                                  "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": str(nvme), "buffer_count": 2, "buffer_size": 4096,
+                              "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme), "buffer_count": 2},
+            "sub_group_size": 8192,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
+    tf = {}
+    if device_memory is not None:
+        tf["device_memory"] = device_memory
+    if host_memory is not None:
+        tf["host_memory"] = host_memory
+    if tf:
+        config["tierflow"] = tf
+    for key, value in extra.items():
+        config[key] = value
+    return config
+
+
+def torch_losses(steps, gas=2, clip=1.0, data=None, skip_at=None, checkpoint=False, seed=0):
+    torch.manual_seed(seed)
+    model = TinyLM(checkpoint=checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    data = data or batches(steps * gas)
+    losses = []
+    for step in range(steps):
+        model.skip = 1 if step == skip_at else None
+        for micro in range(gas):
+            x, y = data[step * gas + micro]
+            loss = model(x, y)
+            (loss / gas).backward()
+            losses.append(loss.item())
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def tierflow_losses(engine, steps, gas=2, data=None, skip_at=None, first=0):
+    data = data or batches((first + steps) * gas)
+    losses = []
+    for step in range(first, first + steps):
+        engine.module.skip = 1 if step == skip_at else None
+        for micro in range(gas):
+            x, y = data[step * gas + micro]
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
+def make_engine(tmp_path, seed=0, checkpoint=False, **kwargs):
+    torch.manual_seed(seed)
+    model = TinyLM(checkpoint=checkpoint)
+    size = model_bytes(model)
+    kwargs.setdefault("device_memory", size // 3)
+    engine, optimizer, _, _ = tierflow.initialize(model=model, config=ds_config(tmp_path / "nvme", **kwargs))
+    return engine, size
+
+
+def test_parameters_and_state_on_nvme_train_as_torch_adamw(tmp_path):
+    reference = torch_losses(30)
+    engine, size = make_engine(tmp_path)
+    try:
+        losses = tierflow_losses(engine, 30)
+        stats = engine.memory_stats()
+    finally:
+        engine.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+    assert losses[-1] < losses[0] - 0.3, "the model did not learn"
+    # The device tier held a quarter of the parameters at most; NVMe was really used.
+    device, host = stats["tiers"]["device"], stats["tiers"]["host"]
+    assert 0 < device["high_water"] <= device["budget"] <= size // 3 + 4096
+    assert host["high_water"] <= host["budget"]
+    assert stats["bytes"]["host->nvme"] > 0 and stats["bytes"]["nvme->host"] > 0
+    assert stats["optimizer"]["bytes"]["host->nvme"] > 0
+    assert stats["scheduler"]["iterations"] == 30 and stats["scheduler"]["rerecords"] == 0
+
+
+def test_the_tiers_never_exceed_their_budgets_for_a_model_four_times_the_device(tmp_path):
+    torch.manual_seed(0)
+    model = TinyLM(d=128)
+    size = model_bytes(model)
+    config = ds_config(tmp_path / "nvme", device_memory=size // 4, host_memory=size)
+    engine, *_ = tierflow.initialize(model=model, config=config)
+    try:
+        tierflow_losses(engine, 4)
+        stats = engine.memory_stats()
+    finally:
+        engine.close()
+    for name, tier in stats["tiers"].items():
+        assert tier["high_water"] <= tier["budget"], name
+    assert stats["tiers"]["device"]["budget"] * 4 <= size + 4 * 4096
+    # The host tiers (parameters, the optimizer's stream) together: a quarter of params + grads + state.
+    assert stats["tiers"]["host"]["budget"] + stats["optimizer"]["tiers"]["host"]["budget"] <= size
+
+
+def test_a_skipped_module_and_activation_checkpointing_train_on_correctly(tmp_path):
+    reference = torch_losses(6, skip_at=3, checkpoint=True)
+    engine, _ = make_engine(tmp_path, checkpoint=True)
+    try:
+        losses = tierflow_losses(engine, 6, skip_at=3)
+        stats = engine.params.scheduler.stats
+    finally:
+        engine.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+    assert stats["rerecords"] >= 1  # the skipped block's step departed from the recorded order
+
+
+def test_eval_no_grad_state_dict_and_gathered_parameters(tmp_path):
+    engine, _ = make_engine(tmp_path)
+    try:
+        tierflow_losses(engine, 2)
+        x, y = batches(1, seed=9)[0]
+        engine.eval()
+        with torch.no_grad():
+            before = engine(x, y).item()
+        engine.train()
+        sd = engine.module.state_dict()
+        assert sd["blocks.0.up.weight"].shape == (256, 64) and sd["blocks.0.up.weight"].abs().sum() > 0
+        # The same weights in a plain model give the same loss.
+        plain = TinyLM()
+        plain.load_state_dict(sd)
+        assert plain(x, y).item() == pytest.approx(before, rel=1e-6)
+        w = engine.module.blocks[0].up.weight
+        assert w.shape == (256, 64) and w.numel() == 256 * 64  # the placeholder keeps the shape
+        with GatheredParameters([w], modifier_rank=0):
+            assert torch.equal(w, sd["blocks.0.up.weight"])
+            with torch.no_grad():
+                w.zero_()
+        assert engine.module.state_dict()["blocks.0.up.weight"].abs().sum() == 0
+        # load_state_dict writes through to the store.
+        engine.module.load_state_dict(sd)
+        with torch.no_grad():
+            assert engine(x, y).item() == pytest.approx(before, rel=1e-6)
+    finally:
+        engine.close()
+
+
+_RESUME = textwrap.dedent("""
+    import sys, json, torch
+    sys.path.insert(0, {tests!r})
+    import tierflow
+    from test_zero import TinyLM, ds_config, tierflow_losses
+    torch.manual_seed(0)
+    engine, *_ = tierflow.initialize(model=TinyLM(), config=json.loads({config!r}))
+    path, client = engine.load_checkpoint({ckpt!r})
+    assert client == {{"note": "step 10"}}, client
+    print(json.dumps(tierflow_losses(engine, 10, first=10)))
+    engine.close()
+""")
+
+
+def test_a_checkpoint_resumes_in_a_new_process_as_if_never_stopped(tmp_path):
+    reference = torch_losses(20)
+    engine, size = make_engine(tmp_path)
+    try:
+        first = tierflow_losses(engine, 10)
+        path = engine.save_checkpoint(tmp_path / "ckpt", client_state={"note": "step 10"})
+    finally:
+        engine.close()
+    assert os.path.basename(path) == "global_step10"
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step10"
+    config = ds_config(tmp_path / "nvme2", device_memory=size // 3)
+    script = _RESUME.format(tests=os.path.dirname(__file__), config=json.dumps(config), ckpt=str(tmp_path / "ckpt"))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    resumed = json.loads(out.stdout.strip().splitlines()[-1])
+    torch.testing.assert_close(torch.tensor(first + resumed), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+
+
+_KILLED = textwrap.dedent("""
+    import sys, json, torch, os
+    sys.path.insert(0, {tests!r})
+    import tierflow
+    from tierflow.zero import checkpoint
+    from test_zero import TinyLM, ds_config, tierflow_losses
+    torch.manual_seed(0)
+    engine, *_ = tierflow.initialize(model=TinyLM(), config=json.loads({config!r}))
+    tierflow_losses(engine, 2)
+    engine.save_checkpoint({ckpt!r}, tag="good")
+    tierflow_losses(engine, 1, first=2)
+    write = checkpoint.write_safetensors
+    def slow(*args, **kwargs):  # the save of "doomed" stops here until the test kills it
+        print("saving", flush=True)
+        import time; time.sleep(60)
+    checkpoint.write_safetensors = slow
+    engine.save_checkpoint({ckpt!r}, tag="doomed")
+""")
+
+
+def test_a_save_killed_midway_leaves_the_previous_tag_loadable(tmp_path):
+    torch.manual_seed(0)
+    size = model_bytes(TinyLM())
+    config = ds_config(tmp_path / "nvme", device_memory=size // 3)
+    ckpt = tmp_path / "ckpt"
+    script = _KILLED.format(tests=os.path.dirname(__file__), config=json.dumps(config), ckpt=str(ckpt))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "saving", proc.stderr.read()
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert (ckpt / "latest").read_text() == "good"
+    engine, _ = make_engine(tmp_path / "again")
+    try:
+        path, _ = engine.load_checkpoint(ckpt)
+        assert os.path.basename(path) == "good" and engine.global_steps == 2
+        tierflow_losses(engine, 1, first=2)
+    finally:
+        engine.close()
+
+
+def test_budgets_too_small_are_refused_before_any_work_with_the_minimum(tmp_path):
+    model = TinyLM()
+    with pytest.raises(ValueError, match=r"tierflow.device_memory: .* give at least \d+"):
+        tierflow.initialize(model=model, config=ds_config(tmp_path / "nvme", device_memory=4096))
+    with pytest.raises(ValueError, match=r"tierflow.host_memory: .* give at least"):
+        tierflow.initialize(model=model, config=ds_config(tmp_path / "nvme", host_memory=8192))
+    # Nothing was partitioned: the model is whole.
+    assert all(p.is_contiguous() and p.numel() > 0 for p in model.parameters())
+
+
+def test_contradictory_and_unsupported_keys_are_named(tmp_path):
+    config = ds_config(tmp_path / "nvme")
+    config["zero_optimization"]["zenflow"] = {"topk_ratio": 0.1}
+    with pytest.raises(ValueError, match="zero_optimization.zenflow"):
+        tierflow.initialize(model=TinyLM(), config=config)
+    config = ds_config(tmp_path / "nvme", gas="auto")
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        tierflow.initialize(model=TinyLM(), config=config)
+    with pytest.raises(ValueError, match="optimizer: a client optimizer"):
+        tierflow.initialize(model=TinyLM(), config=ds_config(tmp_path / "nvme"),
+                            optimizer=torch.optim.SGD(TinyLM().parameters(), lr=1))
+
+
+def test_estimate_memory_prints_each_tier_before_any_work(tmp_path, capsys):
+    model = TinyLM()
+    plan = estimate_memory(model, ds_config(tmp_path / "nvme", device_memory=model_bytes(model) // 3))
+    out = capsys.readouterr().out
+    assert "parameters (float32)" in out and "gradients (fp32)" in out and "device tier" in out
+    assert plan.param_home == "nvme" and plan.param_bytes >= model_bytes(model)
+    assert all(p.numel() > 0 and p.is_contiguous() for p in model.parameters())
+
+
+def test_bf16_trains_and_fp16_overflow_skips_the_step(tmp_path):
+    engine, _ = make_engine(tmp_path / "bf16", bf16={"enabled": True})
+    try:
+        losses = tierflow_losses(engine, 8)
+        assert engine.module.blocks[0].up.weight.dtype == torch.bfloat16
+        assert losses[-1] < losses[0]
+        master = engine.save_fp32_model(tmp_path / "export")
+        header, _ = tierflow.zero.checkpoint.read_safetensors_header(master)
+        assert header["blocks.0.up.weight"]["dtype"] == "F32"
+    finally:
+        engine.close()
+    engine, _ = make_engine(tmp_path / "fp16", fp16={"enabled": True, "initial_scale_power": 8})
+    try:
+        x, y = batches(1)[0]
+        for _ in range(2):
+            engine.backward(engine(x, y) * float("inf"))
+            with pytest.warns(RuntimeWarning, match="overflow"):
+                engine.step() if engine.is_gradient_accumulation_boundary() else (engine.step(), engine.step())
+        assert engine.skipped_steps >= 1 and engine.global_steps == 0 and engine.loss_scale < 2 ** 8
+        before = engine.module.state_dict()["blocks.0.up.weight"].clone()
+        assert torch.isfinite(before).all()
+    finally:
+        engine.close()
+
+
+_INIT = textwrap.dedent("""
+    import json, resource, sys, torch, torch.nn as nn
+    import tierflow
+    config = json.loads({config!r})
+    def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    init = tierflow.zero.Init(config=config)
+    torch.ones(1)  # torch's allocator warmed up
+    base = peak()
+    with init:
+        model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(48)])
+    grown = peak() - base
+    size = sum(p.numel() * 4 for p in model.parameters())
+    engine, *_ = tierflow.initialize(model=model, config=config)
+    x = torch.randn(2, 512)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    print(json.dumps({{"grown": grown, "size": size, "loss_ok": True}}))
+    engine.close()
+""")
+
+
+def test_a_model_built_under_zero_init_is_never_whole_in_ram(tmp_path):
+    nvme = tmp_path / "nvme"
+    size = 48 * (512 * 512 + 512) * 4
+    config = ds_config(nvme, gas=1, device_memory=4 << 20, host_memory=6 << 20)
+    out = subprocess.run([sys.executable, "-c", _INIT.format(config=json.dumps(config))],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["size"] == size
+    # The host tier (6 MiB, mapped before the baseline) and one layer at a
+    # time: far below the model's 48 MiB.
+    assert result["grown"] < 0.25 * size, result
+
+
+def test_a_full_nvme_directory_mid_run_names_it_and_the_last_checkpoint_loads(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        engine, _ = make_engine(mount / "run")
+        ckpt = mount / "ckpt"
+        try:
+            tierflow_losses(engine, 2)
+            engine.save_checkpoint(ckpt, tag="good")
+            # The drive fills up (another writer) while the run goes on.
+            with open(mount / "filler", "wb") as f:
+                with pytest.raises(OSError):
+                    while True:
+                        f.write(b"x" * (1 << 16))
+                        f.flush()
+            with pytest.raises(OSError) as raised:
+                engine.save_checkpoint(ckpt, tag="next")
+            assert raised.value.errno == 28 and str(ckpt) in str(raised.value.filename)
+            assert (ckpt / "latest").read_text() == "good"
+            tierflow_losses(engine, 1, first=2)  # the run itself goes on
+        finally:
+            engine.close()
+        engine, _ = make_engine(tmp_path / "again")
+        try:
+            path, _ = engine.load_checkpoint(ckpt)
+            assert os.path.basename(path) == "good" and engine.global_steps == 2
+        finally:
+            engine.close()
+    finally:
+        if subprocess.run(["umount", str(mount)]).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(mount)], check=True)
