@@ -11,6 +11,7 @@
 // bits). Parameters and gradients stay where torch keeps them: each chunk's
 // update reads and writes them in place through their DLPack views.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -32,6 +33,9 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
+
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
 
 #include "arrays.hpp"
 #include "bindings.hpp"
@@ -61,6 +65,38 @@ constexpr std::uint64_t sub_groups_in_budget = 4;
 constexpr std::uint64_t minimum_host_memory = sub_groups_in_budget * key_count * block_alignment;  // 64 KiB
 // No budget on NVMe but the filesystem's free space (ENOSPC names the file).
 constexpr std::uint64_t unbounded_nvme = 1ull << 60;
+
+// Whether no element of `grad` is an inf or a nan, read on `ex`'s threads.
+// On the bit patterns: an exponent of all ones is inf or nan in each of
+// fp32, bf16 and fp16, and the test vectorizes as a mask and a compare.
+template <class Bits>
+bool all_finite_bits(optim::executor& ex, const Bits* data, std::size_t n, Bits exponent) {
+  constexpr std::size_t grain = 1 << 16;  // elements per task: far above a task's cost
+  std::atomic<bool> finite{true};
+  ex.run([&] {
+    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, grain), [&](const tbb::blocked_range<std::size_t>& r) {
+      if (!finite.load(std::memory_order_relaxed)) return;  // a hint only: the result is the flag
+      bool ok = true;
+      for (std::size_t i = r.begin(); i != r.end(); ++i) ok &= (data[i] & exponent) != exponent;
+      if (!ok) finite.store(false, std::memory_order_relaxed);
+    });
+  });
+  // parallel_for returns once every task ran (it joins): the relaxed stores are visible here.
+  return finite.load(std::memory_order_relaxed);
+}
+
+bool all_finite(optim::executor& ex, const optim::const_tensor_ref& grad) {
+  switch (grad.type) {
+    case dtype::fp32:
+      return all_finite_bits<std::uint32_t>(ex, static_cast<const std::uint32_t*>(grad.data), grad.size,
+                                            0x7F80'0000u);
+    case dtype::bf16:
+      return all_finite_bits<std::uint16_t>(ex, static_cast<const std::uint16_t*>(grad.data), grad.size, 0x7F80);
+    case dtype::fp16:
+      return all_finite_bits<std::uint16_t>(ex, static_cast<const std::uint16_t*>(grad.data), grad.size, 0x7C00);
+  }
+  return true;
+}
 
 std::size_t key_of(const std::string& name) {
   for (std::size_t k = 0; k < key_count; ++k) {
@@ -136,8 +172,10 @@ class offloaded_adam {
     return slots_.size() - 1;
   }
 
-  // One step; see the docstring in bind_offloaded_adam.
-  void step(optim::executor& ex, const nb::list& entries, const nb::list& groups) {
+  // One step; see the docstring in bind_offloaded_adam. Returns the slots
+  // skipped for a non-finite gradient (skip_nonfinite), in entries' order.
+  std::vector<std::size_t> step(optim::executor& ex, const nb::list& entries, const nb::list& groups,
+                                bool skip_nonfinite) {
     std::vector<hyper_parameters> hyper;
     for (nb::handle g : groups) hyper.push_back(parse_group(g));
     std::vector<optim::adam_optimizer> kernels;
@@ -174,6 +212,21 @@ class offloaded_adam {
     nb::gil_scoped_release unlocked;  // the whole step, every chunk of every parameter
     std::lock_guard lock(mutex_);
     require_open();
+    // A parameter is skipped whole or stepped whole: its gradient is read in
+    // full before the first of its chunks streams (the kernel's own check
+    // covers one call, here one chunk). A skipped one is left out of the pass.
+    std::vector<std::size_t> skipped;
+    if (skip_nonfinite) {
+      std::vector<step_entry> finite;
+      for (const step_entry& e : work) {
+        if (all_finite(ex, e.grad)) {
+          finite.push_back(e);
+        } else {
+          skipped.push_back(e.slot);
+        }
+      }
+      work = std::move(finite);
+    }
     std::vector<streamed_state::pass_item> items;
     for (const step_entry& e : work) {
       const slot_record& s = slots_[e.slot];
@@ -216,6 +269,7 @@ class offloaded_adam {
       if (s.has_master) g.param_copy = {element(e.param, first), n, e.param.type};
       kernels[e.group].step(ex, g, {.step = e.step, .objective = hyper[e.group].objective});
     });
+    return skipped;
   }
 
   // Copies `key` of `slot` into `out` (fp32, its element count); chunks never
@@ -495,7 +549,8 @@ void bind_offloaded_adam(nb::module_& m) {
            "Registers a parameter of `elements` (master: it is bf16/fp16 and keeps an fp32\n"
            "master) and preallocates its state's blocks; returns its slot. ENOSPC raises\n"
            "TierflowError and registers nothing.")
-      .def("step", &offloaded_adam::step, "executor"_a, "entries"_a, "groups"_a,
+      .def("step", &offloaded_adam::step, "executor"_a, "entries"_a, "groups"_a, nb::kw_only(),
+           "skip_nonfinite"_a = false,
            "One Adam/AdamW step over `entries`, (slot, param, grad, step, group) tuples, with\n"
            "`groups[group]` = (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize):\n"
            "every chunk of every parameter's state read from NVMe, updated by the fused kernel\n"
@@ -503,7 +558,10 @@ void bind_offloaded_adam(nb::module_& m) {
            "buffers, never copied; a bf16/fp16 param is written from its master), and written\n"
            "back, pipelined. A state buffer never written starts as torch's (zeros; the master\n"
            "from the parameter). Everything is checked before anything is written (ValueError);\n"
-           "an I/O error mid-step leaves the chunks before it stepped. Releases the GIL.")
+           "an I/O error mid-step leaves the chunks before it stepped. With skip_nonfinite a\n"
+           "parameter whose gradient holds an inf or a nan is read in full first and left out\n"
+           "of the pass (parameter and state untouched). Returns the slots skipped so, in\n"
+           "entries' order (empty without skip_nonfinite). Releases the GIL.")
       .def("read", &offloaded_adam::read, "slot"_a, "key"_a, "out"_a.noconvert(),
            "param"_a.noconvert().none() = nb::none(),
            "Copies state `key` of `slot` into `out` (float32, the parameter's element count),\n"

@@ -2,6 +2,7 @@
 // handed in as DLPack views (arrays.hpp): read and written where they are,
 // never copied; per parameter (adam_step) or per param group over slots that
 // hold the buffers fixed between steps (adam_step_group).
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -114,11 +115,19 @@ class adam_slot {
   std::size_t size() const noexcept { return group_.param.size(); }
   bool amsgrad() const noexcept { return max_exp_avg_sq_.has_value(); }
 
-  // Adds one to the step count, as torch's `state["step"] += 1` does in the
-  // count's own dtype, and returns the new count.
-  std::int64_t advance() noexcept {
-    if (step_f32_ != nullptr) return static_cast<std::int64_t>(*step_f32_ += 1.0f);
-    return static_cast<std::int64_t>(*step_f64_ += 1.0);
+  // The count the next step runs with: one more, added as torch's
+  // `state["step"] += 1` adds it, in the count's own dtype.
+  std::int64_t next_step() const noexcept {
+    if (step_f32_ != nullptr) return static_cast<std::int64_t>(*step_f32_ + 1.0f);
+    return static_cast<std::int64_t>(*step_f64_ + 1.0);
+  }
+  // Stores that count: the step it ran with was applied.
+  void advance() noexcept {
+    if (step_f32_ != nullptr) {
+      *step_f32_ += 1.0f;
+    } else {
+      *step_f64_ += 1.0;
+    }
   }
 
   // The buffers with `grad` for one step.
@@ -138,12 +147,15 @@ class adam_slot {
 };
 
 // One step over a param group: slots[i] with grads[i]. Every gradient is
-// checked before anything is written; then, with the GIL released once, each
-// slot's count is advanced and the kernel run on it, in order: the calls
-// adam_step would make, one per parameter.
-void adam_step_group(optim::executor& ex, const std::vector<adam_slot*>& slots,
-                     const std::vector<const_buffer>& grads, float lr, float beta1, float beta2,
-                     float eps, float weight_decay, bool decoupled, bool maximize) {
+// checked before anything is written; then, with the GIL released once, the
+// kernel runs on each slot in order with its count plus one, and the count is
+// stored once the step applied: the calls adam_step would make, one per
+// parameter. With skip_nonfinite a slot whose gradient holds an inf or a nan
+// is left as it was (buffers and count) and its index returned, in order.
+std::vector<std::size_t> adam_step_group(optim::executor& ex, const std::vector<adam_slot*>& slots,
+                                         const std::vector<const_buffer>& grads, float lr, float beta1,
+                                         float beta2, float eps, float weight_decay, bool decoupled,
+                                         bool maximize, bool skip_nonfinite) {
   if (slots.size() != grads.size())
     throw user_error("grads: " + std::to_string(grads.size()) + " gradients for " +
                      std::to_string(slots.size()) + " slots");
@@ -165,17 +177,26 @@ void adam_step_group(optim::executor& ex, const std::vector<adam_slot*>& slots,
                        element_count(slots[i]->size()));
   }
   const optim::adam_step_args args{
-      .step = 1, .grad_scale = 1.0f, .check = optim::finite_check::off,
+      .step = 1, .grad_scale = 1.0f,
+      .check = skip_nonfinite ? optim::finite_check::skip_step : optim::finite_check::off,
       .objective = maximize ? optim::objective::maximize : optim::objective::minimize};
+  std::vector<std::size_t> skipped;
   nb::gil_scoped_release unlocked;  // the steps stream every buffer once: long for big groups
   for (std::size_t i = 0; i < slots.size(); ++i) {
     adam_slot& slot = *slots[i];
     optim::adam_step_args step_args = args;
-    step_args.step = slot.advance();
-    // A zero-size parameter has nothing to update (and DLPack may give it no address).
-    if (slot.size() == 0) continue;
-    (slot.amsgrad() ? amsgrad : plain).step(ex, slot.with(views[i]), step_args);
+    step_args.step = slot.next_step();
+    // A zero-size parameter has nothing to update (and DLPack may give it no
+    // address); its count moves, as torch's does.
+    if (slot.size() != 0 &&
+        (slot.amsgrad() ? amsgrad : plain).step(ex, slot.with(views[i]), step_args) ==
+            optim::step_outcome::skipped_nonfinite) {
+      skipped.push_back(i);
+      continue;
+    }
+    slot.advance();
   }
+  return skipped;
 }
 
 }  // namespace
@@ -225,14 +246,16 @@ void bind_optim(nb::module_& m) {
 
   m.def("adam_step_group", &adam_step_group, "executor"_a, "slots"_a, "grads"_a.noconvert(),
         nb::kw_only(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "decoupled"_a,
-        "maximize"_a = false,
+        "maximize"_a = false, "skip_nonfinite"_a = false,
         "One Adam (decoupled=False) or AdamW (decoupled=True) step over a param group:\n"
         "slots[i] (AdamSlot) with grads[i] (float32, bfloat16 or float16, C-contiguous, on the\n"
         "CPU, of the slot's size; crossing without a copy). Every gradient is checked before\n"
-        "anything is written; then, with the GIL released once, each slot's step count is\n"
-        "advanced by one and the fused kernel run on its buffers, in order: the results of\n"
-        "adam_step() called on each in turn with the advanced count. Raises ValueError naming\n"
-        "a bad argument.");
+        "anything is written; then, with the GIL released once, the fused kernel runs on each\n"
+        "slot's buffers in order with its step count plus one, and the count is advanced by\n"
+        "one: the results of adam_step() called on each in turn with the advanced count.\n"
+        "With skip_nonfinite a slot whose gradient holds an inf or a nan is not touched (its\n"
+        "buffers and its count stay as they were). Returns the indices of the slots skipped so,\n"
+        "ascending (empty without skip_nonfinite). Raises ValueError naming a bad argument.");
 
   m.def("address_of", [](const_buffer a) { return reinterpret_cast<std::uintptr_t>(a.data()); },
         "array"_a.noconvert(),

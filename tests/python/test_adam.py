@@ -476,3 +476,27 @@ def test_replaced_state_and_moved_parameters_step_where_they_now_are(dtype):
         assert_close_to(ours_param, peer_param, "param")
     else:  # the master rounded, as torch's copy_ rounds it
         torch.testing.assert_close(ours_param, peer_param, rtol=2 ** -8, atol=0)
+
+
+def test_the_group_call_returns_the_slots_it_skipped_and_leaves_their_counts():
+    core = tierflow._core
+    executor = core.Executor(2)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True)
+    slots, buffers = [], []
+    for n in (100, 1000, 0, 37):
+        param, m, v, step = torch.ones(n), torch.zeros(n), torch.zeros(n), torch.tensor(4.0)
+        slots.append(core.AdamSlot(param, m, v, None, None, step))
+        buffers.append((param, m, v, step))
+    grads = [torch.full((len(b[0]),), 0.5, dtype=torch.bfloat16) for b in buffers]
+    assert core.adam_step_group(executor, slots, grads, skip_nonfinite=True, **hyper) == []
+    grads[1][999] = float("nan")  # the last elements: the whole gradient is read first
+    grads[3][36] = float("-inf")
+    kept = [[t.clone() for t in b] for b in buffers]
+    assert core.adam_step_group(executor, slots, grads, skip_nonfinite=True, **hyper) == [1, 3]
+    assert [b[3].item() for b in buffers] == [6, 5, 6, 5]
+    for index in (1, 3):
+        for after, old in zip(buffers[index], kept[index]):
+            assert torch.equal(after, old)
+    assert not torch.equal(buffers[0][0], kept[0][0])
+    assert core.adam_step_group(executor, slots, grads, **hyper) == []  # off: nothing skipped
+    assert buffers[1][0].isnan().any() and [b[3].item() for b in buffers] == [7, 6, 7, 6]
