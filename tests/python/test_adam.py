@@ -478,6 +478,101 @@ def test_replaced_state_and_moved_parameters_step_where_they_now_are(dtype):
         torch.testing.assert_close(ours_param, peer_param, rtol=2 ** -8, atol=0)
 
 
+def poison(step, params):
+    """The gradients a step makes non-finite: a nan at step 2 in the first
+    weight, an inf at step 4 in the last one, both at step 6."""
+    bad = {2: {0: float("nan")}, 4: {len(params) - 1: float("inf")},
+           6: {0: float("-inf"), len(params) - 1: float("nan")}}.get(step, {})
+    for index, value in bad.items():
+        params[index].grad.view(-1)[params[index].numel() // 2] = value
+    return set(bad)
+
+
+@pytest.mark.parametrize("name,kwargs", [("adamw", {"amsgrad": True}), ("adam", {"weight_decay": 0.05})])
+def test_skip_nonfinite_leaves_a_parameter_with_an_inf_or_nan_gradient_as_it_was(name, kwargs):
+    """Per parameter: the one with a bad gradient keeps its value, state and
+    count (as torch leaves a parameter without a gradient), the others step."""
+    xs, ys = make_data()
+    model_peer = make_model()
+    model_ours = copy.deepcopy(model_peer)
+    peer = peer_class(name)(model_peer.parameters(), **kwargs)
+    ours = tierflow_class(name)(model_ours.parameters(), skip_nonfinite=True, **kwargs)
+    assert ours.skipped_steps == 0 and ours.last_step_skipped is False
+    params_peer, params_ours = list(model_peer.parameters()), list(model_ours.parameters())
+    for step, (x, y) in enumerate(zip(xs[:10], ys[:10])):
+        for model, opt in ((model_peer, peer), (model_ours, ours)):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        bad = poison(step, params_ours)
+        for index in bad:
+            params_peer[index].grad = None  # torch's way of leaving a parameter out of a step
+        before = {i: (params_ours[i].detach().clone(), copy.deepcopy(ours.state[params_ours[i]])) for i in bad}
+        peer.step()
+        ours.step()
+        assert ours.last_step_skipped is bool(bad)
+        for index, (value, state) in before.items():
+            assert torch.equal(params_ours[index], value)
+            for key, tensor in state.items():
+                assert torch.equal(ours.state[params_ours[index]][key], tensor), key
+    assert ours.skipped_steps == 3
+    for a, b in zip(params_ours, params_peer):
+        assert_close_to(a, b, "param")
+        assert torch.isfinite(a).all()
+    assert_same_state(ours, peer)
+    assert [ours.state[p]["step"].item() for p in params_ours] == [8, 10, 8]
+
+
+def test_without_skip_nonfinite_a_nan_flows_into_the_update_as_in_torch():
+    results = []
+    for cls in (torch.optim.AdamW, AdamW):
+        p = torch.nn.Parameter(torch.ones(8))
+        opt = cls([p])
+        p.grad = torch.ones(8)
+        p.grad[3] = float("nan")
+        opt.step()
+        results.append(p.detach().clone())
+    torch.testing.assert_close(results[1], results[0], equal_nan=True)
+    assert results[1][3].isnan() and torch.isfinite(results[1][:3]).all()
+    with pytest.raises(ValueError, match="Invalid skip_nonfinite: 1"):
+        AdamW([torch.nn.Parameter(torch.ones(2))], skip_nonfinite=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_skipped_non_contiguous_parameter_is_not_written_from_its_stand_in(dtype):
+    param = torch.nn.Parameter(torch.randn(6, 5).to(dtype).t())
+    assert not param.is_contiguous()
+    opt = AdamW([param], skip_nonfinite=True)
+    param.grad = torch.ones_like(param)
+    opt.step()
+    before = param.detach().clone()
+    param.grad = torch.ones_like(param)
+    param.grad[1, 2] = float("inf")
+    opt.step()
+    assert opt.last_step_skipped and torch.equal(param, before)
+    assert opt.state[param]["step"].item() == 1
+
+
+def test_skip_counts_survive_a_copy_and_grad_scaler_still_skips_first():
+    xs, ys = make_data()
+    model = make_model()
+    opt = AdamW(model.parameters(), skip_nonfinite=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for i, (x, y) in enumerate(zip(xs[:6], ys[:6])):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if i == 2:  # the scaler sees the overflow and never calls step(): nothing counts here
+            next(model.parameters()).grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0 ** 9 and opt.skipped_steps == 0
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    opt.step()
+    twin = copy.deepcopy(opt)
+    assert twin.skip_nonfinite and twin.skipped_steps == 1 and twin.last_step_skipped
+    assert [s["step"].item() for s in twin.state.values()] == [5, 5, 5]
+
+
 def test_the_group_call_returns_the_slots_it_skipped_and_leaves_their_counts():
     core = tierflow._core
     executor = core.Executor(2)

@@ -276,6 +276,44 @@ def test_a_copy_has_its_own_state_files(tmp_path):
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skip_nonfinite_skips_a_whole_parameter_before_any_chunk_streams(tmp_path, dtype):
+    """The bad element sits in the weight's second chunk: a chunk-by-chunk
+    check would have stepped the first one. The NVMe state skips as the cpu
+    offload does, bit for bit."""
+    xs, ys = make_data()
+    cpu_model = make_model().to(dtype)
+    nvme_model = copy.deepcopy(cpu_model)
+    cpu = AdamW(cpu_model.parameters(), amsgrad=True, skip_nonfinite=True)
+    nvme = AdamW(nvme_model.parameters(), amsgrad=True, skip_nonfinite=True, offload="nvme",
+                 nvme_dir=tmp_path, host_memory=MIN_HOST)
+    weight = next(nvme_model.parameters())
+    assert weight.numel() == 4096  # two chunks of 2048 elements through the least budget
+    for step, (x, y) in enumerate(zip(xs[:8], ys[:8])):
+        for model, opt in ((cpu_model, cpu), (nvme_model, nvme)):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+            if step in (0, 3):
+                next(model.parameters()).grad.view(-1)[3000] = float("nan" if step else "inf")
+        before = (weight.detach().clone(), nvme.state_dict()["state"].get(0))
+        cpu.step()
+        nvme.step()
+        assert nvme.last_step_skipped is cpu.last_step_skipped is (step in (0, 3))
+        if step in (0, 3):
+            assert torch.equal(weight, before[0])
+            if before[1] is not None:
+                for key, value in before[1].items():
+                    assert torch.equal(nvme.state_dict()["state"][0][key], value), key
+    assert nvme.skipped_steps == cpu.skipped_steps == 2
+    for p, q in zip(nvme_model.parameters(), cpu_model.parameters()):
+        assert torch.equal(p, q)
+    ours, same = nvme.state_dict()["state"], cpu.state_dict()["state"]
+    assert ours[0]["step"].item() == 6 and ours[1]["step"].item() == 8
+    for index in same:
+        for key in same[index]:
+            assert torch.equal(ours[index][key], same[index][key]), (index, key)
+
+
 def test_parameters_without_gradients_zero_size_and_non_contiguous_ones(tmp_path):
     frozen = torch.nn.Parameter(torch.ones(4))
     empty = torch.nn.Parameter(torch.zeros(0))

@@ -301,6 +301,19 @@ class Adam(Optimizer):
       ``torch.get_num_threads()``. The step runs between torch's operations,
       while torch's intra-op threads wait, so the two pools take turns on the
       same cores rather than oversubscribing them.
+    * ``skip_nonfinite``: when True, a parameter whose gradient holds an inf
+      or a nan is not updated: the kernel reads its whole gradient before it
+      writes anything (with ``offload="nvme"``, before any of its state
+      streams), and leaves the parameter, its state and its ``step`` count as
+      they were. The check is per parameter, as the kernel runs: the other
+      parameters of the same step are updated. ``skipped_steps`` counts the
+      steps that skipped at least one parameter and ``last_step_skipped`` says
+      whether the last one did (both kept in a copy or a pickle, not in
+      :meth:`state_dict`). A trainer that wants a whole step dropped on an
+      overflow checks before calling step(), as ``torch.amp.GradScaler`` does
+      for fp16 (its skipped steps never reach this optimizer, and count here
+      as none). Default False: an inf or a nan flows into the update, as in
+      torch.optim.
 
     Parameters must be on the CPU, float32, bfloat16 or float16, and are
     updated in place. A bfloat16/float16 parameter gets an fp32 master copy in
@@ -356,13 +369,19 @@ class Adam(Optimizer):
         nvme_dir: str | os.PathLike | None = None,
         host_memory: int | str | None = None,
         threads: int | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         _check_hyper_parameters(lr, betas, eps, weight_decay, foreach, capturable)
         _check_offload(offload, nvme_dir, host_memory)
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"Invalid threads: {threads!r} (a positive int, or None)")
+        if not isinstance(skip_nonfinite, bool):
+            raise ValueError(f"Invalid skip_nonfinite: {skip_nonfinite!r} (True or False)")
         self.offload = offload
         self.threads = threads if threads is not None else torch.get_num_threads()
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps = 0
+        self.last_step_skipped = False
         self._executor = _core.Executor(self.threads)
         self._nvme: _core.OffloadedAdam | None = None
         self._slots: dict[Tensor, int] = {}
@@ -436,7 +455,8 @@ class Adam(Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        own = {"offload": self.offload, "threads": self.threads}
+        own = {"offload": self.offload, "threads": self.threads, "skip_nonfinite": self.skip_nonfinite,
+               "skipped_steps": self.skipped_steps, "last_step_skipped": self.last_step_skipped}
         if self._nvme is not None:  # a copy or a pickle carries the state itself
             own["nvme_dir"], own["host_memory"] = self._nvme.nvme_dir, self._nvme.host_memory
             own["nvme_state"] = {p: self._read_state(p, g) for g in self.param_groups
@@ -458,6 +478,9 @@ class Adam(Optimizer):
             group.setdefault("fused", None)
         if own is not None:  # unpickled: the executor (and the NVMe state) are made again
             self.offload, self.threads = own["offload"], own["threads"]
+            self.skip_nonfinite = own.get("skip_nonfinite", False)
+            self.skipped_steps = own.get("skipped_steps", 0)
+            self.last_step_skipped = own.get("last_step_skipped", False)
             self._executor = _core.Executor(self.threads)
             self._nvme, self._slots = None, {}
             if self.offload == "nvme":
@@ -642,12 +665,13 @@ class Adam(Optimizer):
                 state[key] = state[key].to(torch.float32, memory_format=torch.contiguous_format)
         return _Slot(p, state, amsgrad)
 
-    def _step_group(self, group: dict[str, Any]) -> None:
+    def _step_group(self, group: dict[str, Any]) -> int:
         """One step of the group's parameters that have a gradient: one C++
-        call over their slots (GIL released once); only the gradients cross."""
+        call over their slots (GIL released once); only the gradients cross.
+        Returns how many were skipped for a non-finite gradient."""
         amsgrad = bool(group["amsgrad"])
         slots, cores, grads = self._cpu_slots, [], []
-        scratch: list[tuple[Tensor, Tensor]] = []
+        scratch: list[tuple[int, Tensor, Tensor]] = []
         for p in group["params"]:
             grad = p.grad
             if grad is None:
@@ -663,15 +687,15 @@ class Adam(Optimizer):
             core = slot.core
             if core is None:  # a non-contiguous parameter: a contiguous copy, written back after
                 core, written = slot.scratch(p)
-                scratch.append((p, written))
+                scratch.append((len(cores), p, written))
             cores.append(core)
             if grad.requires_grad:
                 grad = grad.detach()
             grads.append(grad if grad.is_contiguous() else grad.contiguous())
         if not cores:
-            return
+            return 0
         beta1, beta2 = group["betas"]
-        _core.adam_step_group(
+        skipped = _core.adam_step_group(
             self._executor, cores, grads,
             lr=_scalar(group["lr"]),
             beta1=_scalar(beta1),
@@ -680,13 +704,17 @@ class Adam(Optimizer):
             weight_decay=group["weight_decay"],
             decoupled=group["decoupled_weight_decay"],
             maximize=group["maximize"],
+            skip_nonfinite=self.skip_nonfinite,
         )
-        for p, written in scratch:
-            p.copy_(written)
+        for index, p, written in scratch:
+            if index not in skipped:  # (a skipped stand-in was never written)
+                p.copy_(written)
+        return len(skipped)
 
-    def _step_nvme(self) -> None:
+    def _step_nvme(self) -> int:
         """One step of every parameter with a gradient, state on NVMe: one C++
-        call (GIL released) that streams every chunk of the state."""
+        call (GIL released) that streams every chunk of the state. Returns how
+        many were skipped for a non-finite gradient."""
         entries, hyper, stepped = [], [], []
         for index, group in enumerate(self.param_groups):
             _check_group(group)
@@ -711,14 +739,17 @@ class Adam(Optimizer):
                 work = _kernel_view(p) if p.is_contiguous() else p.detach().contiguous()
                 entries.append((self._slots[p], work, grad, step, index))
                 stepped.append((p, work))
-        self._nvme.step(self._executor, entries, hyper)
+        skipped = set(self._nvme.step(self._executor, entries, hyper, skip_nonfinite=self.skip_nonfinite))
         for p, work in stepped:  # the step counts move only once the step is done, as its state
+            if self._slots[p] in skipped:
+                continue
             if not p.is_contiguous():
                 p.detach().copy_(work)
             state = self.state[p]
             if "step" not in state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["step"] += 1
+        return len(skipped)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -729,18 +760,21 @@ class Adam(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._nvme is not None:
-            self._step_nvme()
-            return loss
-        for group in self.param_groups:
-            _check_group(group)
-            self._step_group(group)
+            skipped = self._step_nvme()
+        else:
+            skipped = 0
+            for group in self.param_groups:
+                _check_group(group)
+                skipped += self._step_group(group)
+        self.last_step_skipped = skipped > 0
+        self.skipped_steps += int(skipped > 0)
         return loss
 
 
 class AdamW(Adam):
     """torch.optim.AdamW (decoupled weight decay, default 1e-2) with its step in
     tierflow's fused CPU kernel; everything else (``offload``, ``nvme_dir``,
-    ``host_memory``, ``threads``) as :class:`Adam`."""
+    ``host_memory``, ``threads``, ``skip_nonfinite``) as :class:`Adam`."""
 
     def __init__(
         self,
@@ -760,12 +794,14 @@ class AdamW(Adam):
         nvme_dir: str | os.PathLike | None = None,
         host_memory: int | str | None = None,
         threads: int | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad,
             foreach=foreach, maximize=maximize, capturable=capturable,
             differentiable=differentiable, fused=fused, decoupled_weight_decay=True,
             offload=offload, nvme_dir=nvme_dir, host_memory=host_memory, threads=threads,
+            skip_nonfinite=skip_nonfinite,
         )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
