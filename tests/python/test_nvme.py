@@ -514,3 +514,11 @@ def test_a_full_disk_is_enospc_and_leaves_the_state_before_it_intact(full_disk):
     assert train(model, opt, xs[3:], ys[3:], 3) == train(peer_model, peer, xs[3:], ys[3:], 3)
     opt.close()  # its files go before the tmpfs is unmounted
     assert nvme_files(full_disk) == []
+
+
+def test_bf16_state_with_nvme_is_refused_naming_both(tmp_path):
+    with pytest.raises(ValueError, match=r"state_dtype='bf16' with offload='nvme'.*float32 only"):
+        AdamW(make_model().parameters(), offload="nvme", nvme_dir=tmp_path, state_dtype="bf16")
+    assert not nvme_files(tmp_path)
+    opt = AdamW(make_model().parameters(), offload="nvme", nvme_dir=tmp_path, state_dtype=torch.float32)
+    assert opt.state_dtype == torch.float32

@@ -219,6 +219,10 @@ _MIN_HOST_MEMORY = 64 << 10
 _PAGE = 4096
 _MAX_FILE_BYTES = 256 << 20
 _OFFLOADS = ("cpu", "nvme")
+# state_dtype's spellings; the moments are fp32 or bf16 (the kernel's two state dtypes).
+_STATE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, torch.float32: torch.float32,
+                 "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, torch.bfloat16: torch.bfloat16}
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def _state_bytes(p: Tensor, amsgrad: bool) -> int:
@@ -226,6 +230,15 @@ def _state_bytes(p: Tensor, amsgrad: bool) -> int:
     and the master of a low-precision parameter."""
     buffers = 2 + int(amsgrad) + int(p.dtype in _LOW_PRECISION)
     return p.numel() * 4 * buffers
+
+
+def _parse_state_dtype(state_dtype: Any) -> torch.dtype:
+    """state_dtype as a torch dtype: float32 or bfloat16."""
+    try:
+        return _STATE_DTYPES[state_dtype]
+    except (KeyError, TypeError):  # (TypeError: an unhashable value)
+        raise ValueError(f"Invalid state_dtype: {state_dtype!r} ('fp32' or 'bf16', torch.float32 or "
+                         "torch.bfloat16)") from None
 
 
 def _check_offload(offload: Any, nvme_dir: Any, host_memory: Any) -> None:
@@ -314,13 +327,25 @@ class Adam(Optimizer):
       for fp16 (its skipped steps never reach this optimizer, and count here
       as none). Default False: an inf or a nan flows into the update, as in
       torch.optim.
+    * ``state_dtype``: the dtype the moments (``exp_avg``, ``exp_avg_sq``,
+      ``max_exp_avg_sq``) are stored in: ``"fp32"`` (the default; also
+      ``torch.float32``) or ``"bf16"`` (also ``"bfloat16"``,
+      ``torch.bfloat16``), which halves them. The step still computes in fp32:
+      it widens each moment as it reads it and rounds it to nearest-even as it
+      stores it. The fp32 master of a bfloat16/float16 parameter stays fp32
+      whatever ``state_dtype`` says (rounding it would lose the small updates
+      it exists to accumulate). :meth:`state_dict` keeps torch's layout, the
+      moments as bfloat16 tensors; a state_dict with fp32 moments (torch's)
+      is rounded to bf16 as it loads. ``offload="nvme"`` streams fp32 state
+      only, so ``state_dtype="bf16"`` with it is refused (ValueError).
 
     Parameters must be on the CPU, float32, bfloat16 or float16, and are
     updated in place. A bfloat16/float16 parameter gets an fp32 master copy in
-    its state under ``"master_param"`` (and fp32 moments): the kernel updates
-    the master and writes the parameter from it in the same pass. A torch
-    state_dict without the master (torch keeps low-precision moments) loads:
-    the master is made from the parameter and the moments widened to fp32.
+    its state under ``"master_param"`` (and moments of ``state_dtype``, not of
+    the parameter's dtype): the kernel updates the master and writes the
+    parameter from it in the same pass. A torch state_dict without the master
+    (torch keeps low-precision moments) loads: the master is made from the
+    parameter and the moments converted to ``state_dtype``.
     The state is torch's: ``step`` (a float32 scalar tensor), ``exp_avg``,
     ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq``.
 
@@ -370,9 +395,14 @@ class Adam(Optimizer):
         host_memory: int | str | None = None,
         threads: int | None = None,
         skip_nonfinite: bool = False,
+        state_dtype: str | torch.dtype = "fp32",
     ) -> None:
         _check_hyper_parameters(lr, betas, eps, weight_decay, foreach, capturable)
         _check_offload(offload, nvme_dir, host_memory)
+        moment_dtype = _parse_state_dtype(state_dtype)
+        if moment_dtype != torch.float32 and offload == "nvme":
+            raise ValueError(f"state_dtype={state_dtype!r} with offload='nvme': the state streamed "
+                             "from NVMe is float32 only (use state_dtype='fp32' or offload='cpu')")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"Invalid threads: {threads!r} (a positive int, or None)")
         if not isinstance(skip_nonfinite, bool):
@@ -380,6 +410,7 @@ class Adam(Optimizer):
         self.offload = offload
         self.threads = threads if threads is not None else torch.get_num_threads()
         self.skip_nonfinite = skip_nonfinite
+        self.state_dtype = moment_dtype
         self.skipped_steps = 0
         self.last_step_skipped = False
         self._executor = _core.Executor(self.threads)
@@ -456,6 +487,7 @@ class Adam(Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         own = {"offload": self.offload, "threads": self.threads, "skip_nonfinite": self.skip_nonfinite,
+               "state_dtype": self.state_dtype,
                "skipped_steps": self.skipped_steps, "last_step_skipped": self.last_step_skipped}
         if self._nvme is not None:  # a copy or a pickle carries the state itself
             own["nvme_dir"], own["host_memory"] = self._nvme.nvme_dir, self._nvme.host_memory
@@ -479,6 +511,7 @@ class Adam(Optimizer):
         if own is not None:  # unpickled: the executor (and the NVMe state) are made again
             self.offload, self.threads = own["offload"], own["threads"]
             self.skip_nonfinite = own.get("skip_nonfinite", False)
+            self.state_dtype = own.get("state_dtype", torch.float32)
             self.skipped_steps = own.get("skipped_steps", 0)
             self.last_step_skipped = own.get("last_step_skipped", False)
             self._executor = _core.Executor(self.threads)
@@ -637,6 +670,11 @@ class Adam(Optimizer):
         super().load_state_dict(state_dict)
         self._cpu_slots.clear()  # they hold the replaced state
         _restore_fp32_state(self, state_dict, _FP32_STATE)
+        if self.state_dtype != torch.float32:  # a torch (fp32) state_dict's moments, narrowed now
+            for state in self.state.values():
+                for key in _MOMENTS:
+                    if torch.is_tensor(state.get(key)):
+                        state[key] = state[key].to(self.state_dtype, memory_format=torch.contiguous_format)
         for group in self.param_groups:
             _check_group(group)
 
@@ -657,12 +695,13 @@ class Adam(Optimizer):
                 state[MASTER_KEY] = _master_of(p)
             elif not master.is_contiguous():
                 state[MASTER_KEY] = master.contiguous()
-        moment_keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+        moment_keys = _MOMENTS if amsgrad else _MOMENTS[:2]
+        dtype = self.state_dtype
         for key in moment_keys:
             if key not in state:
-                state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            elif state[key].dtype != torch.float32 or not state[key].is_contiguous():
-                state[key] = state[key].to(torch.float32, memory_format=torch.contiguous_format)
+                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+            elif state[key].dtype != dtype or not state[key].is_contiguous():
+                state[key] = state[key].to(dtype, memory_format=torch.contiguous_format)
         return _Slot(p, state, amsgrad)
 
     def _step_group(self, group: dict[str, Any]) -> int:
@@ -774,7 +813,7 @@ class Adam(Optimizer):
 class AdamW(Adam):
     """torch.optim.AdamW (decoupled weight decay, default 1e-2) with its step in
     tierflow's fused CPU kernel; everything else (``offload``, ``nvme_dir``,
-    ``host_memory``, ``threads``, ``skip_nonfinite``) as :class:`Adam`."""
+    ``host_memory``, ``threads``, ``skip_nonfinite``, ``state_dtype``) as :class:`Adam`."""
 
     def __init__(
         self,
@@ -795,13 +834,14 @@ class AdamW(Adam):
         host_memory: int | str | None = None,
         threads: int | None = None,
         skip_nonfinite: bool = False,
+        state_dtype: str | torch.dtype = "fp32",
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad,
             foreach=foreach, maximize=maximize, capturable=capturable,
             differentiable=differentiable, fused=fused, decoupled_weight_decay=True,
             offload=offload, nvme_dir=nvme_dir, host_memory=host_memory, threads=threads,
-            skip_nonfinite=skip_nonfinite,
+            skip_nonfinite=skip_nonfinite, state_dtype=state_dtype,
         )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
