@@ -198,7 +198,7 @@ def test_defaults_and_signature_are_torchs():
     assert list(ours)[: len(theirs)] == list(theirs)
     for name, p in theirs.items():
         assert ours[name].default == p.default, name
-    assert list(ours)[len(theirs):] == ["ns_dtype", "threads"]
+    assert list(ours)[len(theirs):] == ["ns_dtype", "threads", "state_dtype"]
     opt = Muon(make_model().parameters())
     assert opt.threads == torch.get_num_threads() and opt.ns_dtype == torch.bfloat16
     assert isinstance(opt, torch.optim.Optimizer)
@@ -521,7 +521,9 @@ def test_the_kernel_call_scales_gradients_writes_a_copy_and_reuses_a_workspace()
 @pytest.mark.parametrize("change,name", [
     ({"rows": 25}, "param"),
     ({"grad": torch.ones(24, 39)}, "grad"),
-    ({"momentum_buffer": torch.zeros(24, 40, dtype=torch.bfloat16)}, "momentum_buffer"),
+    ({"momentum_buffer": torch.zeros(24, 40, dtype=torch.float16)}, "momentum_buffer"),
+    ({"momentum_buffer": torch.zeros(24, 39, dtype=torch.bfloat16)}, "momentum_buffer"),
+    ({"momentum_buffer": torch.zeros(24, 40, dtype=torch.bfloat16), "lr": -1.0}, "lr"),
     ({"param": torch.ones(24, 40, dtype=torch.bfloat16)}, "param"),
     ({"grad": torch.ones(24, 40, dtype=torch.float64)}, "grad"),
     ({"param_copy": torch.ones(24, 40)}, "param_copy"),
@@ -616,3 +618,78 @@ def test_muon_param_groups_splits_a_gpt_by_the_engines_rule():
         opt_adamw.step()
         losses.append(loss.item())
     assert losses[-1] < 0.9 * losses[0]
+
+
+# bf16 momentum buffers against torch's fp32 ones over 30 steps (fp32
+# Newton–Schulz on both sides, so that the buffer's rounding is all that
+# differs), measured: parameters within 1.8e-2 of each one's scale, buffers
+# within 1.2e-2 of theirs, losses within 6.6e-5 relative.
+BF16_STATE_STEPS = 30
+BF16_STATE_PARAM_TOL = 4e-2
+BF16_STATE_BUFFER_TOL = 3e-2
+BF16_STATE_LOSS_RTOL = 5e-4
+
+
+def test_bf16_state_tracks_torch_muon_and_halves_the_momentum_buffers():
+    xs, ys = make_data()
+    model_peer = make_model()
+    model_ours = copy.deepcopy(model_peer)
+    peer = torch.optim.Muon(model_peer.parameters(), lr=LR)
+    ours = Muon(model_ours.parameters(), lr=LR, ns_dtype=torch.float32, state_dtype="bf16")
+    with torch_with_fp32_ns():
+        losses_peer = train(model_peer, peer, xs, ys, BF16_STATE_STEPS)
+    losses_ours = train(model_ours, ours, xs, ys, BF16_STATE_STEPS)
+    torch.testing.assert_close(losses_ours, losses_peer, rtol=BF16_STATE_LOSS_RTOL, atol=0)
+    for a, b in zip(model_ours.parameters(), model_peer.parameters()):
+        mine, theirs = ours.state[a]["momentum_buffer"], peer.state[b]["momentum_buffer"]
+        assert mine.dtype == torch.bfloat16 and mine.nbytes * 2 == theirs.nbytes
+        for actual, expected, tol, what in ((a, b, BF16_STATE_PARAM_TOL, "param"),
+                                            (mine, theirs, BF16_STATE_BUFFER_TOL, "momentum_buffer")):
+            err = float((actual.detach().float() - expected.detach()).abs().max())
+            assert err <= tol * float(expected.detach().abs().max()), what
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_a_bf16_momentum_buffer_steps_as_the_fp32_one_and_stores_it_rounded(nesterov):
+    """The same step from the same values: the bf16 buffer widened exactly,
+    the fp32 arithmetic, so the parameter is the same bits and the buffer the
+    fp32 one rounded to nearest-even (torch's .bfloat16())."""
+    executor, workspace = tierflow._core.Executor(2), tierflow._core.MuonWorkspace()
+    torch.manual_seed(5)
+    hyper = {**HYPER, "nesterov": nesterov}
+    b16 = torch.randn(24, 40).bfloat16()
+    b32 = b16.float()
+    p16, p32 = torch.randn(24, 40), None
+    p32 = p16.clone()
+    for step in range(3):
+        grad = torch.randn(24, 40)
+        tierflow._core.muon_step(executor, p16, grad, b16, rows=24, cols=40, workspace=workspace, **hyper)
+        tierflow._core.muon_step(executor, p32, grad, b32, rows=24, cols=40, **hyper)
+        assert torch.equal(p16, p32), step
+        assert b16.dtype == torch.bfloat16 and torch.equal(b16, b32.bfloat16()), step
+        b32 = b16.float()  # the next step from the stored buffer on both sides
+    nan = torch.full((4, 4), float("nan"), dtype=torch.bfloat16)
+    tierflow._core.muon_step(executor, torch.ones(4, 4), torch.ones(4, 4), nan, rows=4, cols=4, **hyper)
+    assert nan.view(torch.int16).eq(0x7FC0).all()  # torch's one quiet nan
+
+
+def test_bf16_momentum_buffers_through_state_dicts_both_ways():
+    xs, ys = make_data()
+    model = make_model()
+    ours = Muon(model.parameters(), lr=LR, state_dtype=torch.bfloat16)
+    train(model, ours, xs, ys, 3)
+    saved = copy.deepcopy(ours.state_dict())
+    assert all(entry["momentum_buffer"].dtype == torch.bfloat16 for entry in saved["state"].values())
+    peer_model = copy.deepcopy(model)
+    peer = torch.optim.Muon(peer_model.parameters(), lr=LR)
+    peer.load_state_dict(copy.deepcopy(saved))  # torch casts the buffers to its parameters' fp32
+    train(peer_model, peer, xs[3:], ys[3:], 2)
+    back_model = copy.deepcopy(peer_model)
+    back = Muon(back_model.parameters(), lr=LR, state_dtype="bf16")
+    back.load_state_dict(copy.deepcopy(peer.state_dict()))
+    for p, q in zip(back_model.parameters(), peer_model.parameters()):
+        assert torch.equal(back.state[p]["momentum_buffer"], peer.state[q]["momentum_buffer"].bfloat16())
+    train(back_model, back, xs[5:], ys[5:], 2)
+    assert copy.deepcopy(back).state_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="Invalid state_dtype"):
+        Muon(make_model().parameters(), state_dtype="fp16")

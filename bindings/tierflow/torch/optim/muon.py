@@ -24,6 +24,7 @@ from tierflow.torch.optim.adam import (
     MASTER_KEY,
     _kernel_view,
     _master_of,
+    _parse_state_dtype,
     _restore_fp32_state,
     _scalar,
 )
@@ -200,18 +201,26 @@ class Muon(Optimizer):
       ``torch.get_num_threads()``. The step runs between torch's operations,
       on the OpenMP runtime torch's intra-op threads use, and gives torch its
       own thread count back afterwards.
+    * ``state_dtype``: the dtype ``momentum_buffer`` is stored in: ``"fp32"``
+      (the default; also ``torch.float32``) or ``"bf16"`` (also
+      ``"bfloat16"``, ``torch.bfloat16``), which halves it. The kernel keeps
+      its momentum in fp32: a bf16 buffer is widened for the step and rounded
+      back to nearest-even after it (two passes over the matrix, small beside
+      the Newton–Schulz GEMMs). The fp32 master of a bfloat16/float16
+      parameter stays fp32. state_dicts keep torch's layout, the buffer
+      bf16; an fp32 one (torch's) is rounded as it loads.
 
     Muon is for the hidden layers' matrices: every parameter must be 2-D (else
     ValueError, as torch), on the CPU, float32, bfloat16 or float16; it is
     updated in place. Give embeddings, the output head, norms and biases to
     AdamW: :func:`muon_param_groups` splits a model so. A bfloat16/float16
     parameter gets an fp32 master copy in its state under ``"master_param"``
-    (and an fp32 momentum buffer): the kernel updates the master and writes the
-    parameter from it in the same pass. The state is torch's:
-    ``momentum_buffer`` per parameter, so a state_dict loads into
+    (and a momentum buffer of ``state_dtype``): the kernel updates the
+    master and writes the parameter from it in the same pass. The state is
+    torch's: ``momentum_buffer`` per parameter, so a state_dict loads into
     torch.optim.Muon and one from it loads here (a torch buffer of a
-    low-precision parameter is widened to fp32, the master made from the
-    parameter).
+    low-precision parameter is converted to ``state_dtype``, the master made
+    from the parameter).
 
     Example::
 
@@ -234,12 +243,14 @@ class Muon(Optimizer):
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
         threads: int | None = None,
+        state_dtype: str | torch.dtype = "fp32",
     ) -> None:
         _check_hyper_parameters(lr, weight_decay, momentum, ns_coefficients, eps, ns_steps, adjust_lr_fn)
         if ns_dtype not in _NS_DTYPES:
             raise ValueError(f"Invalid ns_dtype: {ns_dtype} (torch.bfloat16 or torch.float32)")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"Invalid threads: {threads!r} (a positive int, or None)")
+        self.state_dtype = _parse_state_dtype(state_dtype)
         self.ns_dtype = ns_dtype
         self.threads = threads if threads is not None else torch.get_num_threads()
         self._executor = _core.Executor(self.threads)
@@ -258,7 +269,7 @@ class Muon(Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["tierflow"] = {"ns_dtype": self.ns_dtype, "threads": self.threads}
+        state["tierflow"] = {"ns_dtype": self.ns_dtype, "threads": self.threads, "state_dtype": self.state_dtype}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -266,6 +277,7 @@ class Muon(Optimizer):
         super().__setstate__(state)
         if own is not None:  # unpickled or deep-copied: the executor and workspace are made again
             self.ns_dtype, self.threads = own["ns_dtype"], own["threads"]
+            self.state_dtype = own.get("state_dtype", torch.float32)
             self._executor = _core.Executor(self.threads)
             self._workspace = _core.MuonWorkspace()
 
@@ -288,9 +300,15 @@ class Muon(Optimizer):
         bf16/fp16 parameter stay fp32 (torch's load casts every state tensor to
         its parameter's dtype). A master that does not round to the parameter
         was carried, untouched, through an optimizer that updated the parameter
-        alone (torch.optim's): it is made again from the parameter."""
+        alone (torch.optim's): it is made again from the parameter. With
+        state_dtype bf16 the momentum buffers are rounded to bf16 as they load."""
         super().load_state_dict(state_dict)
         _restore_fp32_state(self, state_dict, _FP32_STATE)
+        if self.state_dtype != torch.float32:
+            for state in self.state.values():
+                if torch.is_tensor(state.get("momentum_buffer")):
+                    state["momentum_buffer"] = state["momentum_buffer"].to(
+                        self.state_dtype, memory_format=torch.contiguous_format)
         for group in self.param_groups:
             _check_group(group)
 
@@ -310,9 +328,9 @@ class Muon(Optimizer):
             buf = state.get("momentum_buffer")
             if buf is None:
                 state["momentum_buffer"] = torch.zeros_like(
-                    p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            elif buf.dtype != torch.float32 or not buf.is_contiguous():
-                state["momentum_buffer"] = buf.to(torch.float32, memory_format=torch.contiguous_format)
+                    p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
+            elif buf.dtype != self.state_dtype or not buf.is_contiguous():
+                state["momentum_buffer"] = buf.to(self.state_dtype, memory_format=torch.contiguous_format)
             params.append(p)
             grads.append(p.grad)
             momentum_buffers.append(state["momentum_buffer"])
