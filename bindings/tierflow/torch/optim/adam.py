@@ -1,6 +1,8 @@
 """Adam and AdamW for torch whose step runs in tierflow's fused CPU kernel,
 with the optimizer state in host memory (``offload="cpu"``) or on NVMe
-(``offload="nvme"``), streamed through a bounded host budget.
+(``offload="nvme"``), streamed through a bounded host budget, for parameters
+on the CPU or on a CUDA device (whose gradients come down to host memory and
+whose updated values go back up, _device.py).
 
 The classes are ``torch.optim.Optimizer`` subclasses with torch.optim.Adam's
 and AdamW's signatures, defaults, validation and state layout, so LR
@@ -18,6 +20,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from tierflow import _core
+from tierflow.torch.optim import _device
 
 __all__ = ["Adam", "AdamW", "adam"]
 
@@ -64,14 +67,24 @@ def _check_group(group: dict[str, Any]) -> None:
     if group.get("fused") and group.get("foreach"):
         raise ValueError("`fused` and `foreach` cannot be `True` together.")
     for i, p in enumerate(group["params"]):
-        if p.device.type != "cpu":
+        if p.device.type != "cpu" and not _device.on_device(p):
             raise ValueError(
-                f"params[{i}] is on {p.device}: this version steps parameters on the CPU only"
+                f"params[{i}] is on {p.device}: parameters on the CPU or on a CUDA device expected"
             )
         if p.dtype not in (torch.float32, *_LOW_PRECISION):
             raise ValueError(
                 f"params[{i}] is {p.dtype}: float32, bfloat16 or float16 parameters expected"
             )
+
+
+def _one_device(groups: list[dict[str, Any]]) -> torch.device | None:
+    """The device of the groups' device parameters (None without any);
+    ValueError when they are on several: each device has its own streams."""
+    devices = {p.device for group in groups for p in group["params"] if _device.on_device(p)}
+    if len(devices) > 1:
+        raise ValueError(f"params on {' and '.join(sorted(map(str, devices)))}: one optimizer steps the "
+                         "parameters of one CUDA device (make one optimizer per device)")
+    return next(iter(devices), None)
 
 
 def _master_of(p: Tensor) -> Tensor:
@@ -89,7 +102,8 @@ def _restore_fp32_state(optimizer: Optimizer, state_dict: dict[str, Any], keys: 
     saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     for saved_id, p in zip(saved_ids, params):
         saved = state_dict["state"].get(saved_id)
-        if p.dtype not in _LOW_PRECISION or saved is None:
+        # (Adam places a device parameter's state itself: it never went to the device.)
+        if p.dtype not in _LOW_PRECISION or saved is None or _device.on_device(p):
             continue
         state = optimizer.state[p]
         for key in keys:
@@ -339,14 +353,14 @@ class Adam(Optimizer):
       is rounded to bf16 as it loads. ``offload="nvme"`` streams fp32 state
       only, so ``state_dtype="bf16"`` with it is refused (ValueError).
 
-    Parameters must be on the CPU, float32, bfloat16 or float16, and are
-    updated in place. A bfloat16/float16 parameter gets an fp32 master copy in
-    its state under ``"master_param"`` (and moments of ``state_dtype``, not of
-    the parameter's dtype): the kernel updates the master and writes the
-    parameter from it in the same pass. A torch state_dict without the master
-    (torch keeps low-precision moments) loads: the master is made from the
-    parameter and the moments converted to ``state_dtype``.
-    The state is torch's: ``step`` (a float32 scalar tensor), ``exp_avg``,
+    Parameters must be on the CPU or on one CUDA device (below), float32,
+    bfloat16 or float16, and are updated in place. A bfloat16/float16
+    parameter gets an fp32 master copy in its state under ``"master_param"``
+    (and moments of ``state_dtype``, not of the parameter's dtype): the kernel
+    updates the master and writes the parameter from it in the same pass. A
+    torch state_dict without the master (torch keeps low-precision moments)
+    loads: the master is made from the parameter and the moments converted to
+    ``state_dtype``. The state is torch's: ``step`` (a float32 scalar tensor), ``exp_avg``,
     ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq``.
 
     With ``offload="cpu"`` one step is one C++ call per param group, with the
@@ -373,6 +387,45 @@ class Adam(Optimizer):
     and gradient before it writes anything (ValueError changes nothing); an I/O
     error in the middle of a step (EIO from the drive) leaves the chunks
     before it stepped and the rest not, and names the block and file.
+
+    **CUDA parameters** (ZeRO-Offload for one GPU): the parameters and their
+    gradients stay on the device, the step runs on the CPU, and the optimizer
+    keeps nothing in device memory. Each CUDA parameter has an image in
+    pinned host memory, read from it at its first step: for a float32
+    parameter the fp32 master itself, for a bfloat16/float16 one the copy the
+    kernel writes from its fp32 master (``"master_param"`` in the state, as on
+    the CPU), and a pinned buffer for its gradient. The state lives where
+    ``offload`` says (host memory or NVMe; ``host_memory`` bounds only the
+    state streamed from NVMe, the images and gradient buffers are besides it).
+    One step:
+
+    1. the gradients come down to their buffers on a download stream of the
+       device, queued after the work on the current stream (which made them),
+       in buckets of 16 MiB, each followed by a CUDA event;
+    2. CPU parameters (an optimizer may mix the two) step meanwhile; then each
+       bucket steps once its event passed, so the CPU step of one bucket runs
+       while the next comes down;
+    3. each bucket's images go up into their parameters on an upload stream,
+       queued as soon as the bucket stepped (a parameter skipped by
+       ``skip_nonfinite`` is not uploaded);
+    4. the current stream is made to wait for both streams, and step()
+       returns without waiting for the uploads: work queued on the current
+       stream afterwards (the next forward pass) reads the updated values.
+
+    What this asks of the caller: the gradients are complete in the current
+    stream's order when step() is called (as for torch's own optimizers),
+    and the parameters are neither read nor written on another stream
+    until that stream waits for the current one. The host image is the
+    optimizer's truth between steps: a CUDA parameter written outside
+    step() (weights loaded into the model) is read again only by
+    :meth:`load_state_dict` (load the weights first) or when its storage
+    moves (``p.data = ...``); otherwise the next step overwrites it. The
+    state (``state_dict()``, ``self.state``) stays in host memory, CPU
+    tensors in torch's layout; a torch state_dict of CUDA tensors loads into
+    host memory without passing through the device. All CUDA parameters of
+    an optimizer must be on one device (ValueError otherwise). An error in
+    the middle of a step leaves the buckets before it stepped and uploaded,
+    and the rest untouched, on the host and the device alike.
     """
 
     def __init__(
@@ -417,6 +470,7 @@ class Adam(Optimizer):
         self._nvme: _core.OffloadedAdam | None = None
         self._slots: dict[Tensor, int] = {}
         self._cpu_slots: dict[Tensor, _Slot] = {}
+        self._device_params: _device.DeviceParams | None = None
         defaults = {
             "lr": lr,
             "betas": (_scalar(betas[0]), _scalar(betas[1])),
@@ -500,6 +554,8 @@ class Adam(Optimizer):
         own = state.pop("tierflow", None)
         super().__setstate__(state)
         self._cpu_slots = {}  # views of the state this optimizer held, if any: made again
+        if own is not None or not hasattr(self, "_device_params"):  # (torch's load comes here too)
+            self._device_params = None  # a copy's streams and host buffers: made at its next step
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -528,6 +584,7 @@ class Adam(Optimizer):
             _check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                                     group["foreach"], group["capturable"])
             _check_group(group)
+            _one_device(self.param_groups)
             if getattr(self, "_nvme", None) is not None:  # (during __init__, _open_nvme does it)
                 self._register(group)
         except BaseException:
@@ -544,7 +601,7 @@ class Adam(Optimizer):
         for key in keys:
             value = torch.empty(p.shape, dtype=torch.float32)
             if key == MASTER_KEY:
-                self._nvme.read(slot, key, value, _kernel_view(p).contiguous())
+                self._nvme.read(slot, key, value, _kernel_view(self._host_of(p)).contiguous())
             elif self._nvme.has(slot, key):
                 self._nvme.read(slot, key, value)
             else:  # amsgrad turned on since p's last step: torch's start
@@ -566,7 +623,8 @@ class Adam(Optimizer):
             value = value.detach().to(device="cpu", dtype=torch.float32, memory_format=torch.contiguous_format)
             # A master carried, untouched, through an optimizer that updated
             # the parameter alone (torch.optim's) is made again from it.
-            if key == MASTER_KEY and not torch.equal(value.view(p.shape).to(p.dtype), p.detach()):
+            if key == MASTER_KEY and not torch.equal(value.view(p.shape).to(p.dtype),
+                                                     self._host_of(p).detach()):
                 self._nvme.forget(slot, key)
                 continue
             self._nvme.write(slot, key, value)
@@ -649,9 +707,14 @@ class Adam(Optimizer):
         carried, untouched, through an optimizer that updated the parameter
         alone (torch.optim's): it is made again from the parameter. With
         offload="nvme" the state tensors are written to NVMe (this is how a new
-        optimizer resumes) and only ``step`` stays in ``self.state``."""
+        optimizer resumes) and only ``step`` stays in ``self.state``. The
+        state of a CUDA parameter is placed in host memory, never on its device
+        (torch's load would move it there), and its host copy is read again
+        from the parameter: load the model's weights first."""
         params = [p for g in self.param_groups for p in g["params"]]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        if self._device_params is not None:
+            self._device_params.forget()
         if self._nvme is not None:
             for saved_id, p in zip(saved_ids, params):  # refused before anything changes
                 for key, value in state_dict["state"].get(saved_id, {}).items():
@@ -667,9 +730,35 @@ class Adam(Optimizer):
             for saved_id, p in zip(saved_ids, params):
                 self._write_state(p, state_dict["state"].get(saved_id, {}))
             return
-        super().load_state_dict(state_dict)
+        on_device = {saved_id: p for saved_id, p in zip(saved_ids, params) if _device.on_device(p)}
+        if on_device:  # their tensors are placed below, not by torch
+            stripped = dict(state_dict)
+            stripped["state"] = {i: {k: v for k, v in s.items() if i not in on_device or k not in _FP32_STATE}
+                                 for i, s in state_dict["state"].items()}
+            super().load_state_dict(stripped)
+        else:
+            super().load_state_dict(state_dict)
         self._cpu_slots.clear()  # they hold the replaced state
         _restore_fp32_state(self, state_dict, _FP32_STATE)
+        for saved_id, p in on_device.items():
+            saved = state_dict["state"].get(saved_id)
+            if not saved:
+                continue
+            state = self.state[p]
+            step = state.get("step")
+            if torch.is_tensor(step) and step.device.type != "cpu":  # torch's load moves it with fused=True
+                state["step"] = step.to(device="cpu", dtype=torch.float32)
+            for key in _MOMENTS:
+                if torch.is_tensor(saved.get(key)):
+                    state[key] = saved[key].detach().to(device="cpu", dtype=self.state_dtype,
+                                                        memory_format=torch.contiguous_format, copy=True)
+            master = saved.get(MASTER_KEY)
+            # A master that does not round to the parameter is made again from it (as on the CPU).
+            if p.dtype in _LOW_PRECISION and torch.is_tensor(master):
+                master = master.detach().to(device="cpu", dtype=torch.float32,
+                                            memory_format=torch.contiguous_format, copy=True).view(p.shape)
+                image = self._host_of(p)
+                state[MASTER_KEY] = master if torch.equal(master.to(p.dtype), image) else _master_of(image)
         if self.state_dtype != torch.float32:  # a torch (fp32) state_dict's moments, narrowed now
             for state in self.state.values():
                 for key in _MOMENTS:
@@ -688,6 +777,8 @@ class Adam(Optimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         elif not torch.is_tensor(step):  # an old state_dict's number, made torch's tensor
             state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        elif step.device.type != "cpu":  # torch's load puts it on a device parameter's device with fused=True
+            state["step"] = step.to(device="cpu", dtype=torch.float32)
         low_precision = p.dtype in _LOW_PRECISION
         if low_precision:
             master = state.get(MASTER_KEY)
@@ -704,35 +795,30 @@ class Adam(Optimizer):
                 state[key] = state[key].to(dtype, memory_format=torch.contiguous_format)
         return _Slot(p, state, amsgrad)
 
-    def _step_group(self, group: dict[str, Any]) -> int:
-        """One step of the group's parameters that have a gradient: one C++
-        call over their slots (GIL released once); only the gradients cross.
-        Returns how many were skipped for a non-finite gradient."""
+    def _step_group(self, group: dict[str, Any], items: list[tuple[Tensor, Tensor, Tensor]]) -> set[Tensor]:
+        """One step of `items`, (parameter, the tensor the kernel steps for it,
+        its gradient in host memory) of one param group: one C++ call over
+        their slots (GIL released once); only the gradients cross. The tensor
+        stepped is the parameter itself on the CPU, its host image for a
+        device one. Returns the parameters skipped for a non-finite gradient."""
         amsgrad = bool(group["amsgrad"])
         slots, cores, grads = self._cpu_slots, [], []
         scratch: list[tuple[int, Tensor, Tensor]] = []
-        for p in group["params"]:
-            grad = p.grad
-            if grad is None:
-                continue
-            if grad.is_sparse:
-                raise RuntimeError(
-                    "Adam does not support sparse gradients, please consider SparseAdam instead"
-                )
+        for p, target, grad in items:
             state = self.state[p]
             slot = slots.get(p)
-            if slot is None or not slot.fits(p, state, amsgrad):
-                slot = slots[p] = self._slot_of(p, state, amsgrad)
+            if slot is None or not slot.fits(target, state, amsgrad):
+                slot = slots[p] = self._slot_of(target, state, amsgrad)
             core = slot.core
             if core is None:  # a non-contiguous parameter: a contiguous copy, written back after
-                core, written = slot.scratch(p)
-                scratch.append((len(cores), p, written))
+                core, written = slot.scratch(target)
+                scratch.append((len(cores), target, written))
             cores.append(core)
             if grad.requires_grad:
                 grad = grad.detach()
             grads.append(grad if grad.is_contiguous() else grad.contiguous())
         if not cores:
-            return 0
+            return set()
         beta1, beta2 = group["betas"]
         skipped = _core.adam_step_group(
             self._executor, cores, grads,
@@ -745,22 +831,82 @@ class Adam(Optimizer):
             maximize=group["maximize"],
             skip_nonfinite=self.skip_nonfinite,
         )
-        for index, p, written in scratch:
+        for index, target, written in scratch:
             if index not in skipped:  # (a skipped stand-in was never written)
-                p.copy_(written)
-        return len(skipped)
+                target.copy_(written)
+        return {items[i][0] for i in skipped}
 
-    def _step_nvme(self) -> int:
-        """One step of every parameter with a gradient, state on NVMe: one C++
-        call (GIL released) that streams every chunk of the state. Returns how
-        many were skipped for a non-finite gradient."""
-        entries, hyper, stepped = [], [], []
-        for index, group in enumerate(self.param_groups):
-            _check_group(group)
+    def _step_nvme(self, groups: list[tuple[int, list[tuple[Tensor, Tensor, Tensor]]]]) -> set[Tensor]:
+        """One step of `groups`' items (as _step_group's, per param group
+        index), state on NVMe: one C++ call (GIL released) that streams every
+        chunk of their state. Returns the parameters skipped for a
+        non-finite gradient."""
+        hyper = []
+        for group in self.param_groups:
             beta1, beta2 = group["betas"]
             hyper.append((_scalar(group["lr"]), _scalar(beta1), _scalar(beta2), float(group["eps"]),
                           float(group["weight_decay"]), bool(group["decoupled_weight_decay"]),
                           bool(group["amsgrad"]), bool(group["maximize"])))
+        entries, stepped = [], []
+        for index, items in groups:
+            for p, target, grad in items:
+                state = self.state.get(p, {})
+                step = int(state["step"].item()) + 1 if "step" in state else 1
+                grad = _kernel_view(grad)
+                if not grad.is_contiguous():
+                    grad = grad.contiguous()
+                # A non-contiguous parameter is stepped in a contiguous copy
+                # and written back: the kernel walks one flat buffer.
+                work = _kernel_view(target) if target.is_contiguous() else target.detach().contiguous()
+                entries.append((self._slots[p], work, grad, step, index))
+                stepped.append((p, target, work))
+        if not entries:
+            return set()
+        skipped = set(self._nvme.step(self._executor, entries, hyper, skip_nonfinite=self.skip_nonfinite))
+        for p, target, work in stepped:  # the step counts move only once the step is done, as its state
+            if self._slots[p] in skipped:
+                continue
+            if work is not target and not target.is_contiguous():
+                target.detach().copy_(work)
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] += 1
+        return {p for p, _, _ in stepped if self._slots[p] in skipped}
+
+    def _step_items(self, groups: list[tuple[int, list[tuple[Tensor, Tensor, Tensor]]]]) -> set[Tensor]:
+        """_step_group per group, or _step_nvme over all of them."""
+        if self._nvme is not None:
+            return self._step_nvme(groups)
+        skipped: set[Tensor] = set()
+        for index, items in groups:
+            skipped |= self._step_group(self.param_groups[index], items)
+        return skipped
+
+    def _device_side(self) -> _device.DeviceParams:
+        """The host side of the device parameters (made at first need)."""
+        if self._device_params is None:
+            self._device_params = _device.DeviceParams(_device.link_for(_one_device(self.param_groups)))
+        return self._device_params
+
+    def _host_of(self, p: Tensor) -> Tensor:
+        """p's values in host memory: p itself, or a device parameter's image."""
+        return self._device_side().image(p) if _device.on_device(p) else p
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One step over every parameter that has a gradient; returns the
+        closure's loss when a closure is given (evaluated with grad enabled).
+        With CUDA parameters it returns once their uploads are queued and the
+        current stream waits for them (see the class docstring)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        host, device = [], []
+        for index, group in enumerate(self.param_groups):
+            _check_group(group)
+            on_host, on_device = [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -768,45 +914,29 @@ class Adam(Optimizer):
                     raise RuntimeError(
                         "Adam does not support sparse gradients, please consider SparseAdam instead"
                     )
-                state = self.state.get(p, {})
-                step = int(state["step"].item()) + 1 if "step" in state else 1
-                grad = _kernel_view(p.grad)
-                if not grad.is_contiguous():
-                    grad = grad.contiguous()
-                # A non-contiguous parameter is stepped in a contiguous copy
-                # and written back: the kernel walks one flat buffer.
-                work = _kernel_view(p) if p.is_contiguous() else p.detach().contiguous()
-                entries.append((self._slots[p], work, grad, step, index))
-                stepped.append((p, work))
-        skipped = set(self._nvme.step(self._executor, entries, hyper, skip_nonfinite=self.skip_nonfinite))
-        for p, work in stepped:  # the step counts move only once the step is done, as its state
-            if self._slots[p] in skipped:
-                continue
-            if not p.is_contiguous():
-                p.detach().copy_(work)
-            state = self.state[p]
-            if "step" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["step"] += 1
-        return len(skipped)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One step over every parameter that has a gradient; returns the
-        closure's loss when a closure is given (evaluated with grad enabled)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._nvme is not None:
-            skipped = self._step_nvme()
+                (on_device if _device.on_device(p) else on_host).append(p)
+            if on_host:
+                host.append((index, [(p, p, p.grad) for p in on_host]))
+            if on_device:
+                device.append((index, on_device))
+        if not device:
+            skipped = self._step_items(host)
         else:
-            skipped = 0
-            for group in self.param_groups:
-                _check_group(group)
-                skipped += self._step_group(group)
-        self.last_step_skipped = skipped > 0
-        self.skipped_steps += int(skipped > 0)
+            side = self._device_side()
+            try:
+                buckets = side.begin(device)
+                # The host parameters step while the device ones' gradients come down.
+                skipped = self._step_items(host)
+                for bucket in buckets:
+                    side.wait(bucket)
+                    bucket_skipped = self._step_items(
+                        [(bucket.group, [(p, side.image(p), side.grad(p)) for p in bucket.params])])
+                    side.upload(bucket, bucket_skipped)
+                    skipped |= bucket_skipped
+            finally:
+                side.end()
+        self.last_step_skipped = bool(skipped)
+        self.skipped_steps += int(bool(skipped))
         return loss
 
 

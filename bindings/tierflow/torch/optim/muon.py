@@ -84,7 +84,8 @@ def _check_group(group: dict[str, Any]) -> None:
             )
         if p.device.type != "cpu":
             raise ValueError(
-                f"params[{i}] is on {p.device}: this version steps parameters on the CPU only"
+                f"params[{i}] is on {p.device}: Muon steps parameters on the CPU only (for CUDA "
+                "parameters, Adam/AdamW bring them down to host memory and back)"
             )
         if p.dtype not in (torch.float32, *_LOW_PRECISION):
             raise ValueError(
