@@ -4,8 +4,9 @@
 #
 #   scripts/setup.sh            system packages (build, test, fio as the I/O peer,
 #                               clang-16 for the thread-safety analysis), and .venv/
-#                               with torch, the Python test tools and the tierflow
-#                               package built from this tree
+#                               with torch, the Python test tools, the training
+#                               example's plot and progress bar (matplotlib, tqdm)
+#                               and the tierflow package built from this tree
 #   scripts/setup.sh --bench    also the Python benchmark peers (deepspeed) in .venv/
 set -euo pipefail
 
@@ -49,6 +50,10 @@ if ! "$venv_python" -c 'import sys, torch; sys.exit(tuple(map(int, torch.__versi
 fi
 if ! "$venv_python" -c 'import numpy, pytest, nanobind, scikit_build_core' 2>/dev/null; then
   "$venv_python" -m pip install -q numpy pytest 'nanobind>=2.0' 'scikit-build-core>=0.10'
+fi
+# examples/train_gpt.py, the main job: its loss plot and its progress bar.
+if ! "$venv_python" -c 'import matplotlib, tqdm' 2>/dev/null; then
+  "$venv_python" -m pip install -q matplotlib tqdm
 fi
 # The package: pyproject.toml builds the CMake project (the extension target
 # only) in build/python, reused by the next install; no build isolation, so
