@@ -237,10 +237,14 @@ _LOOP_SECTIONS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradien
 def loop_config(ds_config: dict[str, Any]) -> Any:
     """The batch sizes, optimizer, schedule and precision of ``ds_config``,
     read by DeepSpeed's rules (``tierflow.config.from_deepspeed``: a missing
-    micro-batch size derived from ``train_batch_size``, DeepSpeed's defaults)."""
+    micro-batch size derived from ``train_batch_size``, DeepSpeed's defaults).
+    An ``"auto"`` left that this script does not fill is refused, naming it."""
     from tierflow.config import from_deepspeed
 
-    return from_deepspeed({k: ds_config[k] for k in _LOOP_SECTIONS if k in ds_config})
+    config = from_deepspeed({k: ds_config[k] for k in _LOOP_SECTIONS if k in ds_config})
+    if config.unresolved:
+        raise ValueError(f'{config.unresolved[0]}: "auto" is not filled in by this script; give a value')
+    return config
 
 @dataclass
 class ResolvedConfig:
@@ -515,10 +519,7 @@ def main(argv: list[str] | None = None) -> None:
 
     corpus = load_stdlib()
     loop = loop_config(ds_config)
-    micro_batch, accumulation = loop.train_micro_batch_size_per_gpu, loop.gradient_accumulation_steps
-    for name, value in (("train_micro_batch_size_per_gpu", micro_batch), ("gradient_accumulation_steps", accumulation)):
-        if not isinstance(value, int):
-            raise ValueError(f'{name}: "auto" is unresolved; give a number')
+    micro_batch, accumulation = int(loop.train_micro_batch_size_per_gpu), int(loop.gradient_accumulation_steps)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"model: {args.model}, {model_cfg.parameters:,} parameters ({model_cfg.n_layer}×{model_cfg.n_embd}, "
           f"context {model_cfg.context}), on {where}")
