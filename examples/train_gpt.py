@@ -441,7 +441,8 @@ def plot(runs: list[Run], path: Path, title: str) -> None:
 def print_memory(stats: dict[str, Any]) -> None:
     print("tiers (budget / used / high water):")
     for tier, t in stats["tiers"].items():
-        print(f"  {tier:<7} {_size(t['budget']):>8} / {_size(t['used']):>8} / {_size(t['high_water']):>8}")
+        budget = "disk" if t["budget"] is None else _size(t["budget"])  # NVMe: the filesystem's free space
+        print(f"  {tier:<7} {budget:>8} / {_size(t['used']):>8} / {_size(t['high_water']):>8}")
     print(f"stall: {stats['stall_seconds']:.2f} s ({100 * stats['stall_fraction']:.1f}% of the run)")
     moved = ", ".join(f"{link} {_size(n)}" for link, n in stats["bytes"].items())
     print(f"moved: {moved}")

@@ -167,7 +167,7 @@ def test_the_tiers_never_exceed_their_budgets_for_a_model_four_times_the_device(
     finally:
         engine.close()
     for name, tier in stats["tiers"].items():
-        assert tier["high_water"] <= tier["budget"], name
+        assert tier["budget"] is None or tier["high_water"] <= tier["budget"], name
     assert stats["tiers"]["device"]["budget"] * 4 <= size + 4 * 4096
     # The host tiers (parameters, the optimizer's stream) together: a quarter of params + grads + state.
     assert stats["tiers"]["host"]["budget"] + stats["optimizer"]["tiers"]["host"]["budget"] <= size

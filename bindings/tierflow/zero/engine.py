@@ -391,7 +391,8 @@ class Engine:
     def memory_stats(self) -> dict[str, Any]:
         """What each tier holds and held at most (bytes), the bytes moved on
         each link, and the time forward/backward/step waited for parameters:
-        ``{"tiers": {name: {"budget", "used", "high_water"}}, "bytes":
+        ``{"tiers": {name: {"budget", "used", "high_water"}}`` (an NVMe budget of
+        None: the filesystem's free space), ``"bytes":
         {"nvme->host": n, ...}, "stall_seconds", "stall_fraction",
         "optimizer": {...}}``."""
         out: dict[str, Any] = {"tiers": {}, "bytes": {}, "stall_seconds": 0.0, "stall_fraction": 0.0}
@@ -459,9 +460,14 @@ class Engine:
 
 
 def _tiers_of(telemetry: dict) -> dict[str, dict[str, int]]:
-    """{"device": {"budget", "used", "high_water"}, ...} from a store's telemetry."""
-    return {t["kind"]: {"budget": t["budget_bytes"], "used": t["used_bytes"], "high_water": t["high_water_bytes"]}
+    """{"device": {"budget", "used", "high_water"}, ...} from a store's telemetry; an
+    NVMe tier bounded only by its filesystem's free space has budget None."""
+    return {t["kind"]: {"budget": t["budget_bytes"] if t["budget_bytes"] < _UNBOUNDED else None,
+                        "used": t["used_bytes"], "high_water": t["high_water_bytes"]}
             for t in telemetry["tiers"]}
+
+
+_UNBOUNDED = 1 << 59  # an NVMe tier made without a budget (the stores' 2**60)
 
 
 def _one_norm(params: ParamStore, part: Partition) -> tuple[float, bool]:
