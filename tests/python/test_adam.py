@@ -316,15 +316,17 @@ def test_the_step_releases_the_gil_while_it_runs():
         f"no Python ran in the middle of any of the steps: {windows}"
 
 
-def test_a_tensor_lr_and_grad_scaler_work_as_with_torch():
-    xs, ys = make_data()
+def assert_grad_scaler_steps_as_torch(make_model, xs, ys, device, lr):
+    """torch.optim.AdamW and tierflow's under torch.amp.GradScaler on the same
+    model and data, one overflowed step among them: the same losses, scale
+    and parameters."""
     results = []
     for cls in (torch.optim.AdamW, AdamW):
         model = make_model()
-        opt = cls(model.parameters(), lr=torch.tensor(2e-3))
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        opt = cls(model.parameters(), lr=lr)
+        scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 10)
         losses = []
-        for i, (x, y) in enumerate(zip(xs[:10], ys[:10])):
+        for i, (x, y) in enumerate(zip(xs, ys)):
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
             scaler.scale(loss).backward()
@@ -339,6 +341,11 @@ def test_a_tensor_lr_and_grad_scaler_work_as_with_torch():
     torch.testing.assert_close(losses, peer_losses, rtol=RTOL, atol=0)
     for a, b in zip(params, peer_params):
         assert_close_to(a, b, "param")
+
+
+def test_a_tensor_lr_and_grad_scaler_work_as_with_torch():
+    xs, ys = make_data()
+    assert_grad_scaler_steps_as_torch(make_model, xs[:10], ys[:10], "cpu", torch.tensor(2e-3))
 
 
 def test_a_saved_state_dict_loads_with_weights_only_and_the_optimizer_deep_copies(tmp_path):

@@ -22,15 +22,7 @@ import pytest
 import torch
 
 from tierflow.torch.optim import MASTER_KEY, Adam, AdamW, Muon, _device
-
-RTOL = 1e-5
-
-
-def assert_close_to(actual, expected, what=""):
-    """Element by element within RTOL of each tensor's own scale (as test_adam)."""
-    atol = RTOL * float(expected.detach().abs().max()) if expected.numel() else 0.0
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
-
+from test_adam import RTOL, assert_close_to, assert_grad_scaler_steps_as_torch
 
 def make_model(seed=0, device="cpu", dtype=torch.float32):
     torch.manual_seed(seed)
@@ -430,27 +422,7 @@ def test_transfer_bound_cuda_steps_are_ordered_against_the_compute_stream():
 @cuda
 def test_cuda_and_cpu_parameters_mix_and_grad_scaler_skips_as_with_torch():
     xs, ys = make_data(10, device="cuda")
-    results = []
-    for cls in (torch.optim.AdamW, AdamW):
-        model = make_model(device="cuda")
-        opt = cls(model.parameters(), lr=2e-3)
-        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10)
-        losses = []
-        for i, (x, y) in enumerate(zip(xs, ys)):
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            scaler.scale(loss).backward()
-            if i == 3:
-                next(model.parameters()).grad[0, 0] = float("inf")
-            scaler.step(opt)
-            scaler.update()
-            losses.append(loss.item())
-        results.append((losses, scaler.get_scale(), [p.detach().clone() for p in model.parameters()]))
-    (peer_losses, peer_scale, peer_params), (losses, scale, params) = results
-    assert scale == peer_scale == 2.0 ** 9
-    torch.testing.assert_close(losses, peer_losses, rtol=RTOL, atol=0)
-    for a, b in zip(params, peer_params):
-        assert_close_to(a, b, "param")
+    assert_grad_scaler_steps_as_torch(lambda: make_model(device="cuda"), xs, ys, "cuda", 2e-3)
 
     cpu_param = torch.nn.Parameter(torch.ones(8))
     cuda_param = torch.nn.Parameter(torch.ones(8, device="cuda"))
