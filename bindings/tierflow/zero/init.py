@@ -21,7 +21,7 @@ import torch
 from tierflow.config import AUTO, Config, from_deepspeed
 from tierflow.zero.hooks import ParameterAccess
 from tierflow.zero.partition import ParamStore
-from tierflow.zero.plan import PAGE, Plan, format_bytes, pages
+from tierflow.zero.plan import PAGE, Plan, format_bytes, pages, scheduler_settings
 
 __all__ = ["Init", "GatheredParameters", "store_of"]
 
@@ -101,12 +101,14 @@ def _plan_without_model(config: Config) -> Plan:
         host = min(cap, params_part + grads_part)
         if optimizer_offload == "nvme":
             optimizer_host = max(64 << 10, min(cap, oo.buffer_count * z.sub_group_size * 4))
+    share, _ = scheduler_settings(z, element, pages(max(device, PAGE)), 1.0)
     return Plan(compute_dtype=dtype, param_home=param_home, grad_home=grad_home, optimizer_offload=optimizer_offload,
                 nvme_dir=nvme_dir, device_budget=pages(max(device, PAGE)), host_budget=pages(max(host, PAGE)),
                 optimizer_host_budget=optimizer_host, params=(), param_bytes=0, grad_bytes=0, state_bytes=0,
                 minimum_device=0, minimum_device_reason="", minimum_host=0, minimum_host_reason="",
                 sources={"device": "tierflow.device_memory" if t.device_memory is not None else "zero.Init's default",
-                         "host": "tierflow.host_memory" if t.host_memory is not None else "zero.Init's default"})
+                         "host": "tierflow.host_memory" if t.host_memory is not None else "zero.Init's default"},
+                prefetch_share=share)
 
 
 class Init:

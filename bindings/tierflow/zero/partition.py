@@ -115,7 +115,8 @@ class ParamStore:
                                  device_budget=plan.device_budget, device_backend=device_backend,
                                  trace=trace, file_size=file_size)
         self.nvme_dir = nvme_dir
-        self.scheduler = _core.PrefetchScheduler(self.store)
+        self.scheduler = _core.PrefetchScheduler(self.store, budget_share=plan.prefetch_share,
+                                                 evict_distance=plan.evict_distance)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.store.device_is_cuda \
             else torch.device("cpu")
         self.parts: list[Partition] = []

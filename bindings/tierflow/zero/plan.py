@@ -97,6 +97,11 @@ class Plan:
     minimum_host: int
     minimum_host_reason: str
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The scheduler's: the share of the device budget prefetches may fill
+    # (stage3_prefetch_bucket_size, at most stage3_max_live_parameters) and the
+    # accesses within which a released parameter stays (stage3_max_reuse_distance).
+    prefetch_share: float = 0.75
+    evict_distance: int = 0
 
     def rows(self) -> list[tuple[str, str, str, str]]:
         """(what, where, bytes, note) for the table :func:`estimate_memory` prints."""
@@ -253,12 +258,29 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
             sources["optimizer"] = "offload_optimizer.buffer_count × sub_group_size"
     if (param_home == "nvme" or grad_home == "nvme" or optimizer_offload == "nvme") and nvme_dir is None:
         nvme_dir = t.nvme_dir
+    prefetch_share, evict_distance = scheduler_settings(z, element, device_budget,
+                                                        sum(i.numel for i in infos) / max(1, len(infos)))
     return Plan(compute_dtype=dtype, param_home=param_home, grad_home=grad_home,
                 optimizer_offload=optimizer_offload, nvme_dir=nvme_dir, device_budget=pages(device_budget),
                 host_budget=pages(host_budget), optimizer_host_budget=optimizer_host, params=tuple(infos),
                 param_bytes=param_bytes, grad_bytes=grad_bytes, state_bytes=state_bytes,
                 minimum_device=minimum_device, minimum_device_reason=device_reason,
-                minimum_host=minimum_host, minimum_host_reason=host_reason, sources=sources)
+                minimum_host=minimum_host, minimum_host_reason=host_reason, sources=sources,
+                prefetch_share=prefetch_share, evict_distance=evict_distance)
+
+
+def scheduler_settings(z: Any, element: int, device_budget: int, mean_numel: float) -> tuple[float, int]:
+    """DeepSpeed's stage-3 residency keys as the prefetch scheduler's options:
+    prefetches may fill ``stage3_prefetch_bucket_size`` elements (at most
+    ``stage3_max_live_parameters``, at most 3/4) of the device budget — 0 turns
+    prefetch off, as in DeepSpeed — and a parameter released with its next use
+    within ``stage3_max_reuse_distance`` elements (counted in accesses of the
+    mean parameter's size) stays in the device tier."""
+    bucket = _resolved(z.stage3_prefetch_bucket_size, 50_000_000)
+    window = min(bucket, z.stage3_max_live_parameters) * element
+    share = min(0.75, window / device_budget) if device_budget else 0.0
+    distance = max(1, round(z.stage3_max_reuse_distance / max(1.0, mean_numel)))
+    return share, min(distance, 1 << 30)
 
 
 def estimate_memory(model: torch.nn.Module, config: Any, *, print_table: bool = True) -> Plan:
