@@ -1,15 +1,20 @@
-// Muon's step over one matrix handed in as DLPack views (arrays.hpp), and the
-// C++ rule for which parameters Muon takes (optim/grouping.hpp), so that the
-// Python helper and the C++ engine split a model the same way.
+// Muon's step over one matrix handed in as DLPack views (arrays.hpp), the same
+// step with the momentum buffers on NVMe (OffloadedMuon), and the C++ rule for
+// which parameters Muon takes (optim/grouping.hpp), so that the Python helper
+// and the C++ engine split a model the same way.
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -19,6 +24,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include <oneapi/tbb/blocked_range.h>
@@ -26,11 +32,17 @@
 
 #include "arrays.hpp"
 #include "bindings.hpp"
+#include "tierflow/core/block.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/core/store.hpp"
+#include "tierflow/core/streamed_state.hpp"
+#include "tierflow/core/units.hpp"
 #include "tierflow/optim/executor.hpp"
 #include "tierflow/optim/gradients.hpp"
 #include "tierflow/optim/grouping.hpp"
 #include "tierflow/optim/muon.hpp"
+#include "tierflow/tiers/checkpoint.hpp"
+#include "tierflow/tiers/tiers.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -73,6 +85,20 @@ optim::lr_adjustment lr_rule(const std::optional<std::string>& adjust_lr_fn) {
                    "' is not None, 'original', 'match_rms_adamw' or 'spectral_unclamped'");
 }
 
+// torch.optim.Muon's hyper-parameters as the kernel's options (checked by
+// the kernel when it is given them).
+optim::muon_options options_of(float lr, float weight_decay, float momentum, bool nesterov,
+                               std::tuple<float, float, float> ns_coefficients, float eps, int ns_steps,
+                               const std::optional<std::string>& adjust_lr_fn, std::string_view ns_dtype) {
+  const auto [a, b, c] = ns_coefficients;
+  return {.lr = lr, .weight_decay = weight_decay, .momentum = momentum,
+          .nesterov = nesterov ? optim::nesterov::on : optim::nesterov::off,
+          .momentum_form = optim::muon_momentum::ema,  // torch.optim.Muon's buf.lerp_(grad, 1 - momentum)
+          .ns_steps = ns_steps, .ns_a = a, .ns_b = b, .ns_c = c, .eps = eps,
+          .adjust_lr = lr_rule(adjust_lr_fn),
+          .gemm_dtype = parse_dtype(ns_dtype, "ns_dtype")};
+}
+
 // One Muon step on one matrix's buffers; see the docstring below.
 void muon_step(optim::executor& ex, buffer param, const_buffer grad, buffer momentum_buffer,
                std::optional<buffer> param_copy, std::size_t rows, std::size_t cols, float lr,
@@ -84,14 +110,8 @@ void muon_step(optim::executor& ex, buffer param, const_buffer grad, buffer mome
     throw user_error("param: the updated parameter (the master copy) must be float32");
   const dtype momentum_type = element_type(momentum_buffer, "momentum_buffer");
   if (momentum_type == dtype::fp16) throw user_error("momentum_buffer: float32 or bfloat16 expected, got float16");
-  const auto [a, b, c] = ns_coefficients;
-  const optim::muon_options options{
-      .lr = lr, .weight_decay = weight_decay, .momentum = momentum,
-      .nesterov = nesterov ? optim::nesterov::on : optim::nesterov::off,
-      .momentum_form = optim::muon_momentum::ema,  // torch.optim.Muon's buf.lerp_(grad, 1 - momentum)
-      .ns_steps = ns_steps, .ns_a = a, .ns_b = b, .ns_c = c, .eps = eps,
-      .adjust_lr = lr_rule(adjust_lr_fn),
-      .gemm_dtype = parse_dtype(ns_dtype, "ns_dtype")};
+  const optim::muon_options options =
+      options_of(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn, ns_dtype);
   optim::muon_matrix matrix{
       .param = {static_cast<float*>(param.data()), param.size()},
       .grad = view_of(grad, "grad"),
@@ -136,6 +156,308 @@ void muon_step(optim::executor& ex, buffer param, const_buffer grad, buffer mome
   step(workspace->kernel, workspace->momentum_fp32);
 }
 
+// Muon whose momentum buffers live on NVMe (tierflow._core.OffloadedMuon):
+// a store of a pinned host tier of exactly the budget and an NVMe tier of
+// files in the user's directory (as OffloadedAdam's), one fp32 key per
+// parameter streamed chunk by chunk (core/streamed_state.hpp). The momentum
+// rule is elementwise, so each chunk of the buffer is read, updated and
+// written back while the next streams in, and the Nesterov update of its
+// elements lands in an fp32 matrix in RAM; Newton–Schulz needs that whole
+// matrix, so it runs once the pass is done, then the parameter's update.
+// The arithmetic is the kernel's (optim/muon.cpp), expression for
+// expression, so both give the same bits.
+constexpr std::uint64_t muon_sub_groups_in_budget = 4;  // one updating, two loading, one written back
+// The minimum OffloadedAdam has (the Python classes check one number).
+constexpr std::uint64_t muon_minimum_host_memory = 64 << 10;
+constexpr std::uint64_t muon_unbounded_nvme = 1ull << 60;  // the filesystem's free space bounds it
+const std::vector<std::string> muon_key_names = {"momentum_buffer"};
+constexpr std::size_t momentum_key = 0;
+constexpr std::size_t elementwise_grain = 1 << 16;  // elements per task: far above a task's cost
+
+class offloaded_muon {
+ public:
+  offloaded_muon(const std::string& nvme_dir, const std::variant<std::uint64_t, std::string>& host_memory_given,
+                 std::uint64_t file_size) {
+    const std::uint64_t host_memory = std::holds_alternative<std::string>(host_memory_given)
+                                          ? parse_size(std::get<std::string>(host_memory_given), "host_memory")
+                                          : std::get<std::uint64_t>(host_memory_given);
+    if (host_memory < muon_minimum_host_memory)
+      throw user_error("host_memory: " + format_bytes(double(host_memory)) + " is below the minimum of " +
+                       format_bytes(double(muon_minimum_host_memory)));
+    host_memory_ = host_memory / block_alignment * block_alignment;
+    const std::uint64_t sub_group = host_memory_ / muon_sub_groups_in_budget / block_alignment * block_alignment;
+    tiers::store_config config;
+    config.host = tiers::host_tier_options{.budget = host_memory_};
+    config.nvme = tiers::nvme_tier_options{.directory = nvme_dir,
+                                           .budget = muon_unbounded_nvme,
+                                           .file_size = std::max<std::uint64_t>(aligned_size(file_size), block_alignment)};
+    config.store.trace = false;  // a trace grows with every transfer: not for a training run's life
+    nb::gil_scoped_release unlocked;  // maps and touches the host budget, opens the directory
+    store_ = tiers::make_store(std::move(config));
+    state_ = std::make_unique<streamed_state>(*store_, muon_key_names,
+                                              streamed_state_options{.sub_group_bytes = sub_group});
+    nvme_dir_ = nvme_dir;
+  }
+
+  ~offloaded_muon() {
+    nb::gil_scoped_release unlocked;  // the store waits for the transfers in flight, then removes its files
+    state_.reset();
+    store_.reset();
+  }
+  offloaded_muon(const offloaded_muon&) = delete;
+  offloaded_muon& operator=(const offloaded_muon&) = delete;
+
+  // Registers a parameter of `elements` and makes its buffer's blocks on NVMe.
+  std::size_t add_param(std::uint64_t elements) {
+    std::lock_guard lock(mutex_);
+    require_open();
+    // A fresh name each time: a registration that failed (ENOSPC) may have
+    // left some of its blocks behind under the name it tried.
+    const std::string name = "p" + std::to_string(attempts_++);
+    const std::size_t keys[] = {momentum_key};
+    std::size_t tensor = 0;
+    {
+      nb::gil_scoped_release unlocked;  // preallocates files
+      tensor = state_->add_tensor(name, elements, keys);
+    }
+    tensors_.push_back(tensor);
+    return tensors_.size() - 1;
+  }
+
+  // One step of one matrix; see the docstring in bind_muon.
+  void step(optim::executor& ex, std::size_t slot, buffer param, const_buffer grad, std::size_t rows,
+            std::size_t cols, float lr, float weight_decay, float momentum, bool nesterov,
+            std::tuple<float, float, float> ns_coefficients, float eps, int ns_steps,
+            const std::optional<std::string>& adjust_lr_fn, std::string_view ns_dtype) {
+    const optim::muon_options options =
+        options_of(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn, ns_dtype);
+    const optim::tensor_ref p = view_of(param, "param");
+    const optim::const_tensor_ref g = view_of(grad, "grad");
+    if (p.type != dtype::fp32) throw user_error("param: the updated parameter (the master copy) must be float32");
+    const std::size_t n = rows * cols;
+
+    nb::gil_scoped_release unlocked;  // the pass and the GEMMs
+    std::lock_guard lock(mutex_);
+    require_open();
+    const std::size_t tensor = tensor_at(slot);
+    const std::string what = "slot " + std::to_string(slot);
+    if (state_->elements(tensor) != n)
+      throw user_error(what + ": a " + std::to_string(rows) + " x " + std::to_string(cols) + " matrix, registered with " +
+                       std::to_string(state_->elements(tensor)) + " elements");
+    check_size(p, n, what + " param");
+    check_size(g, n, what + " grad");
+    if (n == 0) return;  // nothing to update (and DLPack may give it no address)
+    kernel_.set_options(options);  // validates them: nothing is written before
+    if (update_.size() < n) update_.resize(n);
+    float* u = update_.data();
+    const float mu = options.momentum;
+    const bool nest = options.nesterov == optim::nesterov::on;
+
+    const streamed_state::pass_item item{tensor, {{momentum_key, all_fresh(tensor) ? access::overwrite : access::write}}};
+    state_->stream({&item, 1}, [&](const streamed_chunk& c) {
+      float* buf = c.buffers[0].data();
+      float* uc = u + c.first;
+      // A chunk never written holds torch's first buffer: zeros.
+      if (state_->chunk_fresh(tensor, momentum_key, c.chunk)) std::fill(buf, buf + c.elements, 0.0f);
+      optim::widen_gradient(ex, static_cast<const std::byte*>(g.data) + c.first * size_of(g.type), g.type, uc,
+                            c.elements);
+      for_each_range(ex, c.elements, [&](std::size_t b, std::size_t e) {
+        for (std::size_t i = b; i < e; ++i) {
+          const float gi = uc[i];
+          buf[i] = buf[i] + (1.0f - mu) * (gi - buf[i]);  // buf.lerp_(g, 1 - mu)
+          uc[i] = nest ? gi + mu * (buf[i] - gi) : buf[i];  // g.lerp(buf, mu)
+        }
+      });
+    });
+
+    kernel_.orthogonalize(ex, {u, n}, rows, cols, {u, n});
+    const float decay = 1.0f - options.lr * options.weight_decay;
+    const float adjusted = optim::muon_optimizer::adjusted_lr(options, rows, cols);
+    float* target = static_cast<float*>(p.data);
+    for_each_range(ex, n, [&](std::size_t b, std::size_t e) {
+      for (std::size_t i = b; i < e; ++i) target[i] = target[i] * decay - adjusted * u[i];
+    });
+  }
+
+  // Copies the buffer of `slot` into `out` (fp32, its element count); chunks
+  // never written read as zeros.
+  void read(std::size_t slot, buffer out) {
+    const optim::tensor_ref to = view_of(out, "out");
+    nb::gil_scoped_release unlocked;
+    std::lock_guard lock(mutex_);
+    require_open();
+    const std::size_t tensor = tensor_at(slot);
+    check_fp32(to, tensor, "out");
+    const streamed_state::pass_item item{tensor, {{momentum_key, access::read}}};
+    state_->stream({&item, 1}, [&](const streamed_chunk& c) {
+      float* dst = static_cast<float*>(to.data) + c.first;
+      if (state_->chunk_fresh(tensor, momentum_key, c.chunk)) {
+        std::fill(dst, dst + c.elements, 0.0f);
+      } else {
+        std::memcpy(dst, c.buffers[0].data(), c.elements * sizeof(float));
+      }
+    });
+  }
+
+  // Writes `in` (fp32, the element count of `slot`) as its buffer.
+  void write(std::size_t slot, const_buffer in) {
+    const optim::const_tensor_ref from = view_of(in, "in");
+    nb::gil_scoped_release unlocked;
+    std::lock_guard lock(mutex_);
+    require_open();
+    const std::size_t tensor = tensor_at(slot);
+    check_fp32(from, tensor, "in");
+    const streamed_state::pass_item item{tensor, {{momentum_key, access::overwrite}}};
+    state_->stream({&item, 1}, [&](const streamed_chunk& c) {
+      std::memcpy(c.buffers[0].data(), static_cast<const float*>(from.data) + c.first, c.elements * sizeof(float));
+    });
+  }
+
+  void forget(std::size_t slot) {
+    std::lock_guard lock(mutex_);
+    require_open();
+    state_->forget(tensor_at(slot), momentum_key);
+  }
+
+  bool has(std::size_t slot) {
+    std::lock_guard lock(mutex_);
+    require_open();
+    return state_->any_written(tensor_at(slot), momentum_key);
+  }
+
+  // Every block into a crash-safe checkpoint in `directory`; returns its generation.
+  std::uint64_t save(const std::string& directory) {
+    nb::gil_scoped_release unlocked;
+    std::lock_guard lock(mutex_);
+    require_open();
+    return tiers::write_checkpoint(*store_, directory).generation;
+  }
+
+  // Restores checkpoint `generation` of `directory` (verified first: nothing
+  // changes when it is refused) and sends its blocks home.
+  void load(const std::string& directory, std::uint64_t generation) {
+    nb::gil_scoped_release unlocked;
+    std::lock_guard lock(mutex_);
+    require_open();
+    const std::uint64_t found = tiers::read_checkpoint_manifest(directory).generation;
+    if (found != generation)
+      throw user_error("load_state: " + directory + " holds checkpoint " + std::to_string(found) +
+                       " of the state, not " + std::to_string(generation) +
+                       " (a save interrupted between its two files)");
+    tiers::restore_checkpoint(*store_, directory);
+    store_->flush();
+  }
+
+  // Per slot, its element count.
+  std::vector<std::uint64_t> layout() {
+    std::lock_guard lock(mutex_);
+    require_open();
+    std::vector<std::uint64_t> out;
+    for (const std::size_t t : tensors_) out.push_back(state_->elements(t));
+    return out;
+  }
+
+  std::vector<bool> fresh_chunks(std::size_t slot) {
+    std::lock_guard lock(mutex_);
+    require_open();
+    return state_->fresh_chunks(tensor_at(slot), momentum_key);
+  }
+
+  void set_fresh_chunks(std::size_t slot, std::vector<bool> fresh) {
+    std::lock_guard lock(mutex_);
+    require_open();
+    state_->set_fresh_chunks(tensor_at(slot), momentum_key, std::move(fresh));
+  }
+
+  // Flushes and closes the store, removes its files, frees the matrix. Idempotent.
+  void close() {
+    nb::gil_scoped_release unlocked;
+    std::lock_guard lock(mutex_);
+    if (!store_) return;
+    store_->close();
+    state_.reset();
+    store_.reset();
+    std::vector<float>().swap(update_);
+  }
+
+  nb::dict telemetry() {
+    std::string json;
+    {
+      std::lock_guard lock(mutex_);
+      require_open();
+      json = store_->telemetry_json();
+    }
+    return nb::cast<nb::dict>(nb::module_::import_("json").attr("loads")(json));
+  }
+
+  std::uint64_t host_memory() const noexcept { return host_memory_; }
+  std::uint64_t nvme_bytes() {
+    std::lock_guard lock(mutex_);
+    require_open();
+    return state_->home_bytes();
+  }
+  const std::string& nvme_dir() const noexcept { return nvme_dir_; }
+  bool closed() {
+    std::lock_guard lock(mutex_);
+    return !store_;
+  }
+  std::size_t slot_count() {
+    std::lock_guard lock(mutex_);
+    return tensors_.size();
+  }
+
+ private:
+  // body(begin, end) over [0, n) in ranges, on `ex`'s threads.
+  template <class Body>
+  static void for_each_range(optim::executor& ex, std::size_t n, const Body& body) {
+    ex.run([&] {
+      tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, elementwise_grain),
+                        [&](const tbb::blocked_range<std::size_t>& r) { body(r.begin(), r.end()); });
+    });
+  }
+
+  void check_size(const optim::const_tensor_ref& t, std::size_t n, const std::string& what) const {
+    if (t.size != n)
+      throw user_error(what + ": " + std::to_string(t.size) + " elements, the matrix has " + std::to_string(n));
+    if (t.size != 0 && reinterpret_cast<std::uintptr_t>(t.data) % size_of(t.type) != 0)
+      throw user_error(what + ": misaligned for its dtype");
+  }
+
+  void check_fp32(const optim::const_tensor_ref& t, std::size_t tensor, const std::string& what) const {
+    if (t.type != dtype::fp32) throw user_error(what + ": float32 expected, got " + std::string(name(t.type)));
+    check_size(t, state_->elements(tensor), what);
+  }
+
+  std::size_t tensor_at(std::size_t slot) const {
+    if (slot >= tensors_.size())
+      throw user_error("slot " + std::to_string(slot) + ": " + std::to_string(tensors_.size()) + " registered");
+    return tensors_[slot];
+  }
+
+  bool all_fresh(std::size_t tensor) const {
+    for (std::size_t c = 0; c < state_->chunk_count(tensor); ++c) {
+      if (!state_->chunk_fresh(tensor, momentum_key, c)) return false;
+    }
+    return true;
+  }
+
+  void require_open() const {
+    if (!store_) throw user_error("the optimizer's NVMe state was closed");
+  }
+
+  std::mutex mutex_;  // one step, read or write at a time (taken with the GIL released)
+  std::unique_ptr<block_store> store_;
+  std::unique_ptr<streamed_state> state_;  // over *store_
+  std::vector<std::size_t> tensors_;       // per slot, its tensor in state_
+  std::size_t attempts_ = 0;
+  std::uint64_t host_memory_ = 0;
+  std::string nvme_dir_;
+  // The Newton–Schulz buffers and plans, and the matrix of Nesterov updates
+  // the pass fills: RAM besides the host budget, sized by the largest matrix.
+  optim::muon_optimizer kernel_{optim::muon_options{}};
+  std::vector<float> update_;
+};
+
 std::pair<std::vector<std::size_t>, std::vector<std::size_t>> group_parameters(
     const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& named_shapes) {
   std::vector<optim::parameter_desc> params;
@@ -174,6 +496,61 @@ void bind_muon(nb::module_& m) {
         "CPU, of rows * cols elements. `workspace` (a MuonWorkspace) keeps the buffers for the\n"
         "next call; None makes them for this call only. Releases the GIL while the step runs.\n"
         "Raises ValueError naming a bad argument (nothing written).");
+
+  nb::class_<offloaded_muon>(m, "OffloadedMuon",
+      "Muon's momentum buffers (fp32) in files of the directory `nvme_dir` (made 0700 when\n"
+      "missing; its parent must exist), streamed through a pinned host budget of\n"
+      "`host_memory` bytes (rounded down to 4 KiB, at least 64 KiB) in chunks of a quarter of\n"
+      "it; files are preallocated `file_size` bytes at a time and removed by close() or when\n"
+      "the object is freed. Besides the budget, RAM for the Newton-Schulz workspace and one\n"
+      "fp32 matrix of updates, sized by the largest matrix stepped. Raises\n"
+      "TierflowError (an OSError with errno and filename) when the directory cannot be made\n"
+      "or written, or the disk is full.")
+      .def(nb::init<const std::string&, const std::variant<std::uint64_t, std::string>&, std::uint64_t>(),
+           "nvme_dir"_a, "host_memory"_a, "file_size"_a = 256ull << 20)
+      .def("add_param", &offloaded_muon::add_param, "elements"_a,
+           "Registers a matrix of `elements` and preallocates its momentum buffer's blocks;\n"
+           "returns its slot. ENOSPC raises TierflowError and registers nothing.")
+      .def("step", &offloaded_muon::step, "executor"_a, "slot"_a, "param"_a.noconvert(), "grad"_a.noconvert(),
+           nb::kw_only(), "rows"_a, "cols"_a, "lr"_a, "weight_decay"_a, "momentum"_a, "nesterov"_a,
+           "ns_coefficients"_a, "eps"_a, "ns_steps"_a, "adjust_lr_fn"_a.none(), "ns_dtype"_a = "bfloat16",
+           "muon_step() for the matrix of `slot`, its momentum buffer on NVMe: one pass reads each\n"
+           "chunk of the buffer, updates it (buf = buf.lerp(grad, 1 - momentum)), writes it back\n"
+           "and puts the chunk's update (grad.lerp(buf, momentum) with nesterov, else buf) into\n"
+           "an fp32 matrix in RAM, pipelined; then Newton-Schulz on that matrix and the update\n"
+           "of `param` (float32: the parameter or its master), as muon_step() computes them, to\n"
+           "the bit. A buffer never written starts as zeros. `param` and `grad` (float32,\n"
+           "bfloat16 or float16) are C-contiguous CPU buffers of rows * cols elements, read and\n"
+           "written in place. Everything is checked before anything is written (ValueError);\n"
+           "an I/O error mid-pass leaves the parameter as it was and the chunks of the buffer\n"
+           "before it updated. Releases the GIL.")
+      .def("read", &offloaded_muon::read, "slot"_a, "out"_a.noconvert(),
+           "Copies the momentum buffer of `slot` into `out` (float32, its element count), through\n"
+           "the host budget; never-written chunks read as zeros.")
+      .def("write", &offloaded_muon::write, "slot"_a, "data"_a.noconvert(),
+           "Writes `data` (float32, the element count of `slot`) as its momentum buffer.")
+      .def("forget", &offloaded_muon::forget, "slot"_a,
+           "Marks the buffer of `slot` never written: the next step starts it as zeros.")
+      .def("has", &offloaded_muon::has, "slot"_a, "Whether the buffer of `slot` was written.")
+      .def("save", &offloaded_muon::save, "directory"_a,
+           "Writes every block into tierflow's crash-safe checkpoint in `directory` (manifest.json\n"
+           "and blocks-<n>.bin, checksummed), through the host budget; returns its generation.")
+      .def("load", &offloaded_muon::load, "directory"_a, "generation"_a,
+           "Restores checkpoint `generation` of `directory` (written by save() of an optimizer of\n"
+           "the same layout), through the host budget; refuses (nothing changed) another\n"
+           "generation, a corrupt checkpoint or one of other blocks.")
+      .def("layout", &offloaded_muon::layout, "Per slot: its element count.")
+      .def("fresh_chunks", &offloaded_muon::fresh_chunks, "slot"_a,
+           "Per chunk of the buffer of `slot`: whether it was never written.")
+      .def("set_fresh_chunks", &offloaded_muon::set_fresh_chunks, "slot"_a, "fresh"_a,
+           "Declares which chunks of the buffer of `slot` were never written (after load()).")
+      .def("close", &offloaded_muon::close, "Flushes, then removes the files. Idempotent.")
+      .def("telemetry", &offloaded_muon::telemetry, "The store's counters, per tier and link.")
+      .def_prop_ro("host_memory", &offloaded_muon::host_memory)
+      .def_prop_ro("nvme_bytes", &offloaded_muon::nvme_bytes)
+      .def_prop_ro("nvme_dir", &offloaded_muon::nvme_dir)
+      .def_prop_ro("closed", &offloaded_muon::closed)
+      .def_prop_ro("slot_count", &offloaded_muon::slot_count);
 
   m.def("group_parameters", &group_parameters, "named_shapes"_a,
         "Which optimizer each parameter gets when a model trains with Muon, from its name and\n"

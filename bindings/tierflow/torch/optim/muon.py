@@ -12,7 +12,8 @@ state_dicts load both ways between it and torch.optim.Muon.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, NamedTuple
+import os
+from typing import Any, Callable, Iterable, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -20,8 +21,14 @@ from torch.optim.optimizer import Optimizer, ParamsT
 
 from tierflow import _core
 from tierflow.torch.optim.adam import (
+    _DEFAULT_SUB_GROUP_BYTES,
     _LOW_PRECISION,
+    _MAX_FILE_BYTES,
+    _MIN_HOST_MEMORY,
+    _PAGE,
+    _SUB_GROUPS_IN_BUDGET,
     MASTER_KEY,
+    _check_offload,
     _kernel_view,
     _master_of,
     _parse_state_dtype,
@@ -38,6 +45,7 @@ _NS_DTYPES = (torch.bfloat16, torch.float32)
 # The state a bf16/fp16 parameter keeps in fp32 (MASTER_KEY is the fp32 copy
 # the kernel updates; the parameter is written from it in the same pass).
 _FP32_STATE = (MASTER_KEY, "momentum_buffer")
+_MOMENTUM_KEY = "momentum_buffer"
 
 
 def _check_hyper_parameters(lr, weight_decay, momentum, ns_coefficients, eps, ns_steps,
@@ -209,7 +217,30 @@ class Muon(Optimizer):
       back to nearest-even after it (two passes over the matrix, small beside
       the Newton–Schulz GEMMs). The fp32 master of a bfloat16/float16
       parameter stays fp32. state_dicts keep torch's layout, the buffer
-      bf16; an fp32 one (torch's) is rounded as it loads.
+      bf16; an fp32 one (torch's) is rounded as it loads. ``offload="nvme"``
+      streams fp32 buffers only, so ``state_dtype="bf16"`` with it is refused
+      (ValueError).
+    * ``offload``: where the momentum buffers live. ``"cpu"`` (the default):
+      torch tensors in ``self.state``. ``"nvme"``: blocks of files in
+      ``nvme_dir``, streamed through ``host_memory`` bytes of pinned host
+      memory at each step, as :class:`~tierflow.torch.optim.Adam`'s state with
+      ``offload="nvme"`` (same directory rules, errors and ``host_memory``
+      default: the buffers' size up to 256 MiB). The momentum rule is
+      elementwise, so each parameter's buffer streams chunk by chunk (a
+      quarter of ``host_memory`` each): each chunk is read, updated and
+      written back while the next is read, and its Nesterov update goes into
+      an fp32 matrix in RAM. Newton–Schulz needs that whole matrix and runs
+      on it afterwards, then the parameter's update. So the host memory the
+      optimizer uses is ``host_memory`` plus that matrix and the Newton–Schulz
+      workspace, both sized by the largest parameter (a few copies of it, as
+      with ``offload="cpu"``), plus the fp32 master of each bfloat16/float16
+      parameter, which stays in ``self.state``. The results are
+      ``offload="cpu"``'s, bit for bit. :meth:`state_dict` reads the buffers
+      from NVMe (torch's layout), :meth:`load_state_dict` writes them there,
+      :meth:`save_state` / :meth:`load_state` checkpoint them through the host
+      budget without holding them in RAM, :meth:`telemetry` gives the store's
+      counters and :meth:`close` removes the files.
+    * ``nvme_dir``, ``host_memory``: with ``offload="nvme"``, as Adam's.
 
     Muon is for the hidden layers' matrices: every parameter must be 2-D (else
     ValueError, as torch), on the CPU, float32, bfloat16 or float16; it is
@@ -245,13 +276,23 @@ class Muon(Optimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         threads: int | None = None,
         state_dtype: str | torch.dtype = "fp32",
+        offload: Literal["cpu", "nvme"] = "cpu",
+        nvme_dir: str | os.PathLike | None = None,
+        host_memory: int | str | None = None,
     ) -> None:
         _check_hyper_parameters(lr, weight_decay, momentum, ns_coefficients, eps, ns_steps, adjust_lr_fn)
         if ns_dtype not in _NS_DTYPES:
             raise ValueError(f"Invalid ns_dtype: {ns_dtype} (torch.bfloat16 or torch.float32)")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"Invalid threads: {threads!r} (a positive int, or None)")
+        _check_offload(offload, nvme_dir, host_memory)
         self.state_dtype = _parse_state_dtype(state_dtype)
+        if self.state_dtype != torch.float32 and offload == "nvme":
+            raise ValueError(f"state_dtype={state_dtype!r} with offload='nvme': the momentum buffers streamed "
+                             "from NVMe are float32 only (use state_dtype='fp32' or offload='cpu')")
+        self.offload = offload
+        self._nvme: _core.OffloadedMuon | None = None
+        self._slots: dict[Tensor, int] = {}
         self.ns_dtype = ns_dtype
         self.threads = threads if threads is not None else torch.get_num_threads()
         self._executor = _core.Executor(self.threads)
@@ -267,20 +308,82 @@ class Muon(Optimizer):
             "adjust_lr_fn": adjust_lr_fn,
         }
         super().__init__(params, defaults)
+        if offload == "nvme":
+            self._open_nvme(os.fspath(nvme_dir), host_memory)
+
+    def _open_nvme(self, nvme_dir: str, host_memory: int | str | None) -> None:
+        """Makes the store and preallocates every parameter's momentum buffer,
+        with Adam's defaults for the budget and the file size."""
+        total = sum(p.numel() * 4 for g in self.param_groups for p in g["params"])
+        if host_memory is None:
+            host_memory = min(_SUB_GROUPS_IN_BUDGET * _DEFAULT_SUB_GROUP_BYTES,
+                              max(_MIN_HOST_MEMORY, -(-total // _PAGE) * _PAGE))
+        file_size = min(_MAX_FILE_BYTES, max(_PAGE, -(-total // _PAGE) * _PAGE))
+        self._nvme = _core.OffloadedMuon(nvme_dir, host_memory, file_size)
+        for group in self.param_groups:
+            self._register(group)
+
+    def _register(self, group: dict[str, Any]) -> None:
+        """Registers the group's parameters in the store: all or none."""
+        added = []
+        try:
+            for p in group["params"]:
+                self._slots[p] = self._nvme.add_param(p.numel())
+                added.append(p)
+        except BaseException:
+            for p in added:
+                del self._slots[p]
+            raise
+
+    @property
+    def nvme_dir(self) -> str | None:
+        """The directory of the momentum buffers' files (offload="nvme"), else None."""
+        return None if self._nvme is None else self._nvme.nvme_dir
+
+    @property
+    def host_memory(self) -> int | None:
+        """The host budget the buffers stream through, in bytes (offload="nvme"), else None."""
+        return None if self._nvme is None else self._nvme.host_memory
+
+    def telemetry(self) -> dict | None:
+        """With offload="nvme", the store's counters: per tier its budget, use
+        and high-water mark (``tiers[k]["high_water_bytes"]``), per link the
+        bytes moved; None with offload="cpu"."""
+        return None if self._nvme is None else self._nvme.telemetry()
+
+    def close(self) -> None:
+        """With offload="nvme", removes the buffers' files and frees the host
+        budget: the optimizer cannot step or give its state afterwards (take
+        :meth:`state_dict` first to keep it). Freeing the optimizer does the
+        same. Does nothing with offload="cpu"."""
+        if self._nvme is not None:
+            self._nvme.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["tierflow"] = {"ns_dtype": self.ns_dtype, "threads": self.threads, "state_dtype": self.state_dtype}
+        own = {"ns_dtype": self.ns_dtype, "threads": self.threads, "state_dtype": self.state_dtype,
+               "offload": self.offload}
+        if self._nvme is not None:  # a copy or a pickle carries the buffers themselves
+            own["nvme_dir"], own["host_memory"] = self._nvme.nvme_dir, self._nvme.host_memory
+            own["nvme_state"] = {p: self._read_state(p) for g in self.param_groups
+                                 for p in g["params"] if p in self.state}
+        state["tierflow"] = own
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         own = state.pop("tierflow", None)
         super().__setstate__(state)
-        if own is not None:  # unpickled or deep-copied: the executor and workspace are made again
+        if own is not None:  # unpickled or deep-copied: the executor, workspace and store are made again
             self.ns_dtype, self.threads = own["ns_dtype"], own["threads"]
             self.state_dtype = own.get("state_dtype", torch.float32)
+            self.offload = own.get("offload", "cpu")
             self._executor = _core.Executor(self.threads)
             self._workspace = _core.MuonWorkspace()
+            self._nvme, self._slots = None, {}
+            if self.offload == "nvme":
+                self._open_nvme(own["nvme_dir"], own["host_memory"])
+                for p, saved in own["nvme_state"].items():
+                    self._write_state(p, saved)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, and then the group's hyper-parameters and parameters are
@@ -292,9 +395,100 @@ class Muon(Optimizer):
                                     group["ns_coefficients"], group["eps"], group["ns_steps"],
                                     group["adjust_lr_fn"])
             _check_group(group)
-        except ValueError:
+            if getattr(self, "_nvme", None) is not None:  # (during __init__, _open_nvme does it)
+                self._register(group)
+        except BaseException:
             self.param_groups.pop()
             raise
+
+    def _read_state(self, p: Tensor) -> dict[str, Tensor]:
+        """p's momentum buffer from NVMe, as a torch tensor of p's shape (in
+        RAM); none when p has not stepped since its buffer was (re)started."""
+        slot = self._slots[p]
+        if not self._nvme.has(slot):
+            return {}
+        value = torch.empty(p.shape, dtype=torch.float32)
+        self._nvme.read(slot, value)
+        return {_MOMENTUM_KEY: value}
+
+    def _write_state(self, p: Tensor, saved: dict[str, Any]) -> None:
+        """Writes p's momentum buffer in `saved` to NVMe; without one, p's
+        buffer starts again as torch's (zeros)."""
+        slot = self._slots[p]
+        value = saved.get(_MOMENTUM_KEY)
+        if not torch.is_tensor(value):
+            self._nvme.forget(slot)
+            return
+        self._nvme.write(slot, value.detach().to(device="cpu", dtype=torch.float32,
+                                                 memory_format=torch.contiguous_format))
+
+    def _layout(self) -> dict[str, Any]:
+        """What the NVMe state's blocks are: checked by load_state()."""
+        return {"host_memory": self._nvme.host_memory,
+                "slots": [self._slots[p] for g in self.param_groups for p in g["params"]],
+                "state": self._nvme.layout()}
+
+    def save_state(self, directory: str | os.PathLike) -> None:
+        """With offload="nvme", saves the optimizer into ``directory`` (made
+        0700 when missing) without reading its buffers into RAM, as
+        :meth:`Adam.save_state <tierflow.torch.optim.Adam.save_state>`: the
+        blocks go through the host budget into tierflow's crash-safe
+        checkpoint there (``manifest.json`` and ``blocks-<n>.bin``), the rest
+        (param groups, the masters of bf16/fp16 parameters, which buffers hold
+        state) into ``optimizer.pt`` beside it. :meth:`load_state` resumes it
+        into an optimizer made with the same parameters and ``host_memory``.
+        With offload="cpu", ``torch.save(state_dict())``."""
+        if self._nvme is None:
+            raise ValueError("save_state: the state is not on NVMe (offload='cpu'); torch.save(state_dict()) saves it")
+        directory = os.fspath(directory)
+        own = {"layout": self._layout(),
+               "fresh": [self._nvme.fresh_chunks(slot) for slot in range(self._nvme.slot_count)]}
+        own["generation"] = self._nvme.save(directory)
+        meta = Optimizer.state_dict(self)  # param groups and the masters: all self.state holds
+        meta["tierflow"] = own
+        path = os.path.join(directory, "optimizer.pt")
+        torch.save(meta, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def load_state(self, directory: str | os.PathLike) -> None:
+        """With offload="nvme", resumes what :meth:`save_state` saved in
+        ``directory``: the blocks are verified, then written through the host
+        budget. Raises ValueError when the directory holds another
+        optimizer's layout (other parameters or host_memory) or an interrupted
+        save, and :class:`tierflow.TierflowError` when the checkpoint is
+        missing or corrupt; nothing changes then."""
+        if self._nvme is None:
+            raise ValueError("load_state: the state is not on NVMe (offload='cpu'); use load_state_dict()")
+        directory = os.fspath(directory)
+        meta = torch.load(os.path.join(directory, "optimizer.pt"), weights_only=True)
+        own = meta.pop("tierflow")
+        if own["layout"] != self._layout():
+            raise ValueError(f"load_state: {directory} holds the state of another layout (parameters or "
+                             f"host_memory): saved {own['layout']['host_memory']} bytes of host_memory and "
+                             f"{len(own['layout']['state'])} parameters, this optimizer "
+                             f"{self._nvme.host_memory} and {self._nvme.slot_count}")
+        self._nvme.load(directory, own["generation"])
+        Optimizer.load_state_dict(self, meta)
+        _restore_fp32_state(self, meta, (MASTER_KEY,))
+        for group in self.param_groups:
+            _check_group(group)
+        for slot, fresh in enumerate(own["fresh"]):
+            self._nvme.set_fresh_chunks(slot, fresh)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state_dict. With offload="nvme" the momentum buffers are read
+        from NVMe into RAM (fp32 tensors: mind their size; :meth:`save_state`
+        saves without that)."""
+        state_dict = super().state_dict()
+        if self._nvme is None:
+            return state_dict
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if index in state_dict["state"]:  # (the dict torch packs is self.state[p] itself)
+                    state_dict["state"][index] = {**state_dict["state"][index], **self._read_state(p)}
+                index += 1
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, except that the fp32 master and momentum buffer of a
@@ -302,7 +496,28 @@ class Muon(Optimizer):
         its parameter's dtype). A master that does not round to the parameter
         was carried, untouched, through an optimizer that updated the parameter
         alone (torch.optim's): it is made again from the parameter. With
-        state_dtype bf16 the momentum buffers are rounded to bf16 as they load."""
+        state_dtype bf16 the momentum buffers are rounded to bf16 as they load.
+        With offload="nvme" the momentum buffers are written to NVMe (a
+        parameter without one starts from zeros, as torch's) and only the
+        masters stay in ``self.state``."""
+        if self._nvme is not None:
+            params = [p for g in self.param_groups for p in g["params"]]
+            saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+            for saved_id, p in zip(saved_ids, params):  # refused before anything changes
+                value = state_dict["state"].get(saved_id, {}).get(_MOMENTUM_KEY)
+                if torch.is_tensor(value) and value.numel() != p.numel():
+                    raise ValueError(f"state {saved_id} {_MOMENTUM_KEY}: {value.numel()} elements for a "
+                                     f"parameter of {p.numel()}")
+            stripped = dict(state_dict)
+            stripped["state"] = {i: {k: v for k, v in s.items() if k != _MOMENTUM_KEY}
+                                 for i, s in state_dict["state"].items()}
+            super().load_state_dict(stripped)
+            _restore_fp32_state(self, stripped, (MASTER_KEY,))
+            for group in self.param_groups:
+                _check_group(group)
+            for saved_id, p in zip(saved_ids, params):
+                self._write_state(p, state_dict["state"].get(saved_id, {}))
+            return
         super().load_state_dict(state_dict)
         _restore_fp32_state(self, state_dict, _FP32_STATE)
         if self.state_dtype != torch.float32:
@@ -326,17 +541,54 @@ class Muon(Optimizer):
             low_precision = p.dtype in _LOW_PRECISION
             if low_precision and MASTER_KEY not in state:  # new, or a torch state_dict's state
                 state[MASTER_KEY] = _master_of(p)
+            params.append(p)
+            grads.append(p.grad)
+            masters.append(state[MASTER_KEY] if low_precision else None)
+            if self._nvme is not None:  # (its buffer is on NVMe; self.state[p] marks it stepped)
+                continue
             buf = state.get("momentum_buffer")
             if buf is None:
                 state["momentum_buffer"] = torch.zeros_like(
                     p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
             elif buf.dtype != self.state_dtype or not buf.is_contiguous():
                 state["momentum_buffer"] = buf.to(self.state_dtype, memory_format=torch.contiguous_format)
-            params.append(p)
-            grads.append(p.grad)
             momentum_buffers.append(state["momentum_buffer"])
-            masters.append(state[MASTER_KEY] if low_precision else None)
         return params, grads, momentum_buffers, masters
+
+    def _step_nvme(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                   masters: list[Tensor | None]) -> None:
+        """:func:`muon`'s step of one group with the momentum buffers on NVMe:
+        one C++ call per matrix (GIL released), its buffer streamed."""
+        a, b, c = (float(x) for x in group["ns_coefficients"])
+        gemm = str(self.ns_dtype).removeprefix("torch.")
+        for param, grad, master in zip(params, grads, masters):
+            if grad.ndim != 2:
+                raise ValueError("Param gradient must be a 2D matrix")
+            grad = _kernel_view(grad)
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+            target = param if master is None else master
+            # A non-contiguous parameter is stepped in a contiguous copy and
+            # written back, as muon() does.
+            work = _kernel_view(target) if target.is_contiguous() else target.detach().contiguous()
+            rows, cols = param.shape
+            self._nvme.step(
+                self._executor, self._slots[param], work, grad,
+                rows=rows, cols=cols,
+                lr=_scalar(group["lr"]),
+                weight_decay=_scalar(group["weight_decay"]),
+                momentum=_scalar(group["momentum"]),
+                nesterov=bool(group["nesterov"]),
+                ns_coefficients=(a, b, c),
+                eps=float(group["eps"]),
+                ns_steps=group["ns_steps"],
+                adjust_lr_fn=group["adjust_lr_fn"],
+                ns_dtype=gemm,
+            )
+            if work is not target and not target.is_contiguous():
+                target.detach().copy_(work)
+            if master is not None:  # nearest-even, as the kernel writes a parameter from its master
+                param.detach().copy_(master)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -349,6 +601,9 @@ class Muon(Optimizer):
         for group in self.param_groups:
             _check_group(group)
             params, grads, momentum_buffers, masters = self._init_group(group)
+            if self._nvme is not None:
+                self._step_nvme(group, params, grads, masters)
+                continue
             muon(
                 params, grads, momentum_buffers, masters,
                 executor=self._executor,
