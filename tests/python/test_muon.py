@@ -198,7 +198,7 @@ def test_defaults_and_signature_are_torchs():
     assert list(ours)[: len(theirs)] == list(theirs)
     for name, p in theirs.items():
         assert ours[name].default == p.default, name
-    assert list(ours)[len(theirs):] == ["ns_dtype", "threads", "state_dtype"]
+    assert list(ours)[len(theirs):] == ["ns_dtype", "threads", "state_dtype", "offload", "nvme_dir", "host_memory"]
     opt = Muon(make_model().parameters())
     assert opt.threads == torch.get_num_threads() and opt.ns_dtype == torch.bfloat16
     assert isinstance(opt, torch.optim.Optimizer)
