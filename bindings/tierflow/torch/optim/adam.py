@@ -239,6 +239,18 @@ _STATE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, torch.float32:
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
+def _nvme_sizes(total: int, host_memory: int | str | None) -> tuple[int | str, int]:
+    """(host_memory, file_size) for a state of ``total`` bytes on NVMe: the
+    host budget given, or the state's own size up to four sub-groups of 64 MiB
+    (at least the minimum); files no larger than the state needs (a small
+    model does not preallocate 256 MiB; a block larger than a file gets a file
+    of its own)."""
+    pages = max(_PAGE, -(-total // _PAGE) * _PAGE)
+    if host_memory is None:
+        host_memory = min(_SUB_GROUPS_IN_BUDGET * _DEFAULT_SUB_GROUP_BYTES, max(_MIN_HOST_MEMORY, pages))
+    return host_memory, min(_MAX_FILE_BYTES, pages)
+
+
 def _state_bytes(p: Tensor, amsgrad: bool) -> int:
     """The bytes of a parameter's fp32 state: the moments, the amsgrad maximum
     and the master of a low-precision parameter."""
@@ -491,12 +503,7 @@ class Adam(Optimizer):
     def _open_nvme(self, nvme_dir: str, host_memory: int | str | None) -> None:
         """Makes the store and preallocates every parameter's state."""
         total = sum(_state_bytes(p, g["amsgrad"]) for g in self.param_groups for p in g["params"])
-        if host_memory is None:
-            host_memory = min(_SUB_GROUPS_IN_BUDGET * _DEFAULT_SUB_GROUP_BYTES,
-                              max(_MIN_HOST_MEMORY, -(-total // _PAGE) * _PAGE))
-        # Files no larger than the state needs (a small model does not
-        # preallocate 256 MiB); a block larger than a file gets a file of its own.
-        file_size = min(_MAX_FILE_BYTES, max(_PAGE, -(-total // _PAGE) * _PAGE))
+        host_memory, file_size = _nvme_sizes(total, host_memory)
         self._nvme = _core.OffloadedAdam(nvme_dir, host_memory, file_size)
         for group in self.param_groups:
             self._register(group)

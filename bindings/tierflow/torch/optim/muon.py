@@ -21,16 +21,12 @@ from torch.optim.optimizer import Optimizer, ParamsT
 
 from tierflow import _core
 from tierflow.torch.optim.adam import (
-    _DEFAULT_SUB_GROUP_BYTES,
     _LOW_PRECISION,
-    _MAX_FILE_BYTES,
-    _MIN_HOST_MEMORY,
-    _PAGE,
-    _SUB_GROUPS_IN_BUDGET,
     MASTER_KEY,
     _check_offload,
     _kernel_view,
     _master_of,
+    _nvme_sizes,
     _parse_state_dtype,
     _restore_fp32_state,
     _scalar,
@@ -315,10 +311,7 @@ class Muon(Optimizer):
         """Makes the store and preallocates every parameter's momentum buffer,
         with Adam's defaults for the budget and the file size."""
         total = sum(p.numel() * 4 for g in self.param_groups for p in g["params"])
-        if host_memory is None:
-            host_memory = min(_SUB_GROUPS_IN_BUDGET * _DEFAULT_SUB_GROUP_BYTES,
-                              max(_MIN_HOST_MEMORY, -(-total // _PAGE) * _PAGE))
-        file_size = min(_MAX_FILE_BYTES, max(_PAGE, -(-total // _PAGE) * _PAGE))
+        host_memory, file_size = _nvme_sizes(total, host_memory)
         self._nvme = _core.OffloadedMuon(nvme_dir, host_memory, file_size)
         for group in self.param_groups:
             self._register(group)
