@@ -1,0 +1,413 @@
+#!/usr/bin/env python3
+"""tierflow's ZeRO-3 engine and its ZenFlow beside DeepSpeed's, in one run, on
+one model and one batch stream.
+
+The model: 24 blocks of Linear(1024, 1024) + GELU, in bf16 (24 × (1024·1024 +
+1024) = 25,190,400 parameters), trained on an MSE loss against a fixed random
+target; batch 64 rows of 1024 features. A "token" of this MLP is one row of
+the batch, so tokens/s is 64 / the step time.
+
+Contenders, each in a fresh subprocess (so its peak RSS and its /proc/PID/io
+are its own), one at a time:
+  (a) torch in RAM: bf16 parameters, an fp32 master stepped by
+      torch.optim.AdamW(fused=True) — the floor, reported, not a target;
+  (b) DeepSpeed ZeRO-3, offload_param and offload_optimizer on NVMe,
+      stage3_prefetch_bucket_size 0;
+  (b') the same with prefetch on (stage3_prefetch_bucket_size 5e6), to show
+      whether it runs;
+  (c) tierflow's ZeRO-3 engine under (b)'s config, unchanged (its host budgets
+      follow DeepSpeed's buffer keys);
+  (d) tierflow's ZeRO-3 with ZenFlow: the engine refuses ZenFlow at stage 3,
+      and the row prints its error;
+  (e) DeepSpeed's ZenFlow: stage 2, offload_optimizer cpu, topk_ratio 0.1,
+      update_interval 4, overlap_step true;
+  (f) tierflow's ZenFlow under (e)'s config.
+
+Each runs --warmup untimed steps then --steps timed ones and reports the mean
+step time (forward, backward and optimizer step), tokens/s, peak RSS
+(ru_maxrss of the child), the storage bytes read and written per timed step
+(/proc/self/io read_bytes/write_bytes deltas; page-cache hits read nothing),
+and the timed steps' losses. The --nvme-dir filesystem's bandwidth is measured
+alone (an O_DIRECT sequential write then read of 512 MiB in 8 MiB requests, one
+at a time), and (c)'s bound is max((a)'s step, read bytes / read bandwidth +
+write bytes / write bandwidth): reads and writes share the device, so their
+times add.
+
+Targets: (c) ≤ (b), (c) within 1.15× of its bound, (f) ≤ (e).
+
+  bench/python/zero3_vs_deepspeed.py [--nvme-dir DIR] [--steps 8] [--warmup 3] [--only a,b,c] [--json FILE]
+"""
+import argparse
+import json
+import mmap
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+LAYERS, WIDTH, BATCH = 24, 1024, 64
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+CONTENDERS = ("a", "b", "b'", "c", "d", "e", "f")
+TITLES = {
+    "a": "torch in RAM (AdamW fused, fp32 master)",
+    "b": "DeepSpeed ZeRO-3, NVMe params+optimizer, prefetch 0",
+    "b'": "DeepSpeed ZeRO-3, NVMe, prefetch on (5e6)",
+    "c": "tierflow ZeRO-3, (b)'s config",
+    "d": "tierflow ZeRO-3 + ZenFlow",
+    "e": "DeepSpeed ZenFlow, stage 2, optimizer cpu",
+    "f": "tierflow ZenFlow, (e)'s config",
+}
+
+
+# ---- configs ---------------------------------------------------------------------------------
+
+def optimizer_section():
+    return {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}}
+
+
+def zero3_config(nvme_dir, prefetch):
+    # One weight is 2^20 elements: the parameter swap buffers hold one each.
+    # The optimizer's sub-groups are four layers, so its NVMe state streams
+    # through buffer_count × 4M fp32 elements (64 MiB) rather than all of it.
+    return {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": optimizer_section(),
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 4 * WIDTH * WIDTH,
+            "stage3_prefetch_bucket_size": prefetch,
+            "stage3_max_live_parameters": 4 * WIDTH * WIDTH,
+            "stage3_max_reuse_distance": 4 * WIDTH * WIDTH,
+            "offload_param": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True,
+                              "buffer_count": 5, "buffer_size": WIDTH * WIDTH, "max_in_cpu": 1_000_000},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True,
+                                  "buffer_count": 4},
+        },
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True,
+                "thread_count": 1},
+    }
+
+
+def zenflow_config(stage=2):
+    return {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": optimizer_section(),
+        "zero_optimization": {
+            "stage": stage,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "zenflow": {"topk_ratio": 0.1, "update_interval": 4, "overlap_step": True},
+        },
+    }
+
+
+# ---- the child: one contender --------------------------------------------------------------------
+
+def make_model():
+    import torch
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(LAYERS):
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def batches(n):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    target = torch.randn(BATCH, WIDTH, generator=g) * 0.1
+    return [torch.randn(BATCH, WIDTH, generator=g).to(torch.bfloat16) for _ in range(n)], target
+
+
+def proc_io():
+    out = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            key, value = line.split(":")
+            out[key.strip()] = int(value)
+    return out["read_bytes"], out["write_bytes"]
+
+
+def train(step, steps, warmup):
+    """Runs warmup + steps calls of step(x) -> loss; times the last steps."""
+    xs, _ = batches(warmup + steps)
+    for x in xs[:warmup]:
+        step(x)
+    r0, w0 = proc_io()
+    times, losses = [], []
+    for x in xs[warmup:]:
+        start = time.perf_counter()
+        losses.append(float(step(x)))
+        times.append(time.perf_counter() - start)
+    r1, w1 = proc_io()
+    return {"times": times, "losses": losses, "read_bytes": (r1 - r0) / steps, "write_bytes": (w1 - w0) / steps}
+
+
+def run_torch(args):
+    import torch
+
+    model = make_model().to(torch.bfloat16)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+    _, target = batches(0)
+
+    def step(x):
+        loss = torch.nn.functional.mse_loss(model(x).float(), target)
+        loss.backward()
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+        return loss.item()
+
+    return train(step, args.steps, args.warmup)
+
+
+def run_deepspeed(args, config):
+    import torch
+
+    with socket.socket() as s:  # a free port for the one-rank process group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = make_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    _, target = batches(0)
+
+    def step(x):
+        loss = torch.nn.functional.mse_loss(engine(x).float(), target)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    try:
+        return train(step, args.steps, args.warmup)
+    finally:
+        if hasattr(engine, "destroy"):
+            engine.destroy()
+
+
+def run_tierflow(args, config):
+    import torch
+    import tierflow
+
+    model = make_model()
+    engine, _, _, _ = tierflow.initialize(model=model, config=config)
+    _, target = batches(0)
+
+    def step(x):
+        loss = torch.nn.functional.mse_loss(engine(x).float(), target)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    try:
+        before = engine.memory_stats()["bytes"]
+        out = train(step, args.steps, args.warmup)
+        stats = engine.memory_stats()
+        moved = {k: (v - before.get(k, 0)) / args.steps for k, v in stats["bytes"].items()}
+        out["engine"] = {"bytes_per_step": moved, "stall_fraction": stats["stall_fraction"],
+                         "tiers": stats["tiers"], "optimizer": stats.get("optimizer")}
+        return out
+    finally:
+        engine.close()
+
+
+def child(args):
+    name, scratch = args.child, args.scratch
+    if name == "a":
+        result = run_torch(args)
+    elif name in ("b", "b'"):
+        result = run_deepspeed(args, zero3_config(scratch, 0 if name == "b" else 5_000_000))
+    elif name == "c":
+        result = run_tierflow(args, zero3_config(scratch, 0))
+    elif name == "d":
+        config = zero3_config(scratch, 0)
+        config["zero_optimization"]["zenflow"] = zenflow_config()["zero_optimization"]["zenflow"]
+        result = run_tierflow(args, config)
+    elif name == "e":
+        result = run_deepspeed(args, zenflow_config())
+    else:
+        result = run_tierflow(args, zenflow_config())
+    result["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return result
+
+
+# ---- the parent ----------------------------------------------------------------------------------
+
+def nvme_bandwidth(directory, size=512 << 20, request=8 << 20):
+    """(write, read) bytes/s of an O_DIRECT sequential pass over a fresh file."""
+    path = os.path.join(directory, "bandwidth.probe")
+    buf = mmap.mmap(-1, request)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(request))
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_DIRECT, 0o600)
+        try:
+            start = time.perf_counter()
+            for offset in range(0, size, request):
+                os.pwrite(fd, buf, offset)
+            os.fsync(fd)
+            write = size / (time.perf_counter() - start)
+        finally:
+            os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            start = time.perf_counter()
+            for offset in range(0, size, request):
+                os.preadv(fd, [buf], offset)
+            read = size / (time.perf_counter() - start)
+        finally:
+            os.close(fd)
+    finally:
+        buf.close()
+        if os.path.exists(path):
+            os.unlink(path)
+    return write, read
+
+
+def run_contender(name, args, root):
+    scratch = tempfile.mkdtemp(prefix="zero3-", dir=root)
+    out = os.path.join(scratch, "result.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--scratch", scratch, "--out", out,
+           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        if os.path.exists(out):
+            with open(out) as f:
+                result = json.load(f)
+        else:
+            lines = [l for l in (proc.stderr + proc.stdout).splitlines() if l.strip()]
+            result = {"error": f"exit {proc.returncode}: " + (lines[-1].strip() if lines else "no output")}
+    except subprocess.TimeoutExpired:
+        result = {"error": f"timed out after {args.timeout} s"}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    result["wall"] = time.perf_counter() - start
+    return result
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def mib(n):
+    return f"{n / (1 << 20):.1f}"
+
+
+def report(results, bandwidth, args):
+    write_bw, read_bw = bandwidth
+    print(f"model: {LAYERS} × (Linear({WIDTH}, {WIDTH}) + GELU), bf16, "
+          f"{LAYERS * (WIDTH * WIDTH + WIDTH):,} parameters; batch {BATCH} rows (a token = one row); "
+          f"{args.warmup} warm-up + {args.steps} timed steps")
+    print(f"--nvme-dir bandwidth alone (O_DIRECT, 8 MiB requests, 512 MiB): write {mib(write_bw)} MiB/s, "
+          f"read {mib(read_bw)} MiB/s")
+    step = {k: mean(r["times"]) for k, r in results.items() if "times" in r}
+    print()
+    print(f"{'':4}{'contender':52} {'step s':>8} {'tok/s':>8} {'vs (b)':>7} {'vs (a)':>7} "
+          f"{'RSS MiB':>8} {'rd MiB/st':>9} {'wr MiB/st':>9}")
+    for k, r in results.items():
+        if "error" in r:
+            print(f"({k}){'':{3 - len(k)}}{TITLES[k]:52} FAILED: {r['error']}")
+            continue
+        s = step[k]
+        vb = f"{s / step['b']:.2f}" if "b" in step else "-"
+        va = f"{s / step['a']:.2f}" if "a" in step else "-"
+        print(f"({k}){'':{3 - len(k)}}{TITLES[k]:52} {s:8.3f} {BATCH / s:8.1f} {vb:>7} {va:>7} "
+              f"{mib(r['max_rss']):>8} {mib(r['read_bytes']):>9} {mib(r['write_bytes']):>9}")
+    print()
+    for k, r in results.items():
+        if "losses" in r:
+            print(f"({k}) losses: " + " ".join(f"{x:.5f}" for x in r["losses"]))
+    if "c" in results and "engine" in results["c"]:
+        e = results["c"]["engine"]
+        moved = ", ".join(f"{k} {mib(v)}" for k, v in sorted(e["bytes_per_step"].items()) if v)
+        print(f"(c) engine's links per step (MiB): {moved or 'none'}; stall fraction {e['stall_fraction']:.3f}")
+    print()
+    verdicts = []
+    bound = None
+    if "c" in step:
+        c = results["c"]
+        io_time = c["read_bytes"] / read_bw + c["write_bytes"] / write_bw
+        compute = step.get("a")
+        bound = max(compute or 0.0, io_time)
+        print(f"(c) bound: max(compute alone = (a) {compute:.3f} s, I/O {mib(c['read_bytes'])} MiB read / "
+              f"{mib(read_bw)} MiB/s + {mib(c['write_bytes'])} MiB written / {mib(write_bw)} MiB/s = {io_time:.3f} s)"
+              f" = {bound:.3f} s; (c) is {step['c'] / bound:.2f}× it" if compute is not None else
+              f"(c) bound: (a) did not run; I/O alone {io_time:.3f} s")
+    def verdict(label, ok):
+        verdicts.append((label, ok))
+        print(f"{'PASS' if ok else 'MISS' if ok is not None else 'N/A '}  {label}")
+    verdict("(c) ≤ (b)" + (f": {step['c']:.3f} vs {step['b']:.3f} s" if "c" in step and "b" in step else ""),
+            step["c"] <= step["b"] if "c" in step and "b" in step else None)
+    verdict("(c) ≤ 1.15 × bound" + (f": {step['c']:.3f} vs {1.15 * bound:.3f} s" if bound else ""),
+            step["c"] <= 1.15 * bound if bound and "a" in step else None)
+    verdict("(f) ≤ (e)" + (f": {step['f']:.3f} vs {step['e']:.3f} s" if "f" in step and "e" in step else ""),
+            step["f"] <= step["e"] if "f" in step and "e" in step else None)
+    return {"bandwidth": {"write": write_bw, "read": read_bw}, "bound_c": bound, "results": results,
+            "targets": [{"target": t, "pass": ok} for t, ok in verdicts]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nvme-dir", default=None, help="where NVMe files go (default: a temporary directory in /tmp)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per contender")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    parser.add_argument("--only", default=",".join(CONTENDERS), help="contenders to run, comma-separated")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds each contender may run")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps: {args.steps}; give at least 1")
+    if args.warmup < 0:
+        parser.error(f"--warmup: {args.warmup}; give 0 or more")
+    if args.child is not None:
+        try:
+            result = child(args)
+        except Exception as e:  # the parent prints this line and goes on with the others
+            message = " ".join(f"{type(e).__name__}: {e}".split())
+            result = {"error": message[:400]}
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return
+    chosen = [c.strip() for c in args.only.split(",") if c.strip()]
+    unknown = [c for c in chosen if c not in CONTENDERS]
+    if unknown:
+        parser.error(f"--only: unknown contender {unknown[0]!r}; choose from {', '.join(CONTENDERS)}")
+    root = args.nvme_dir or tempfile.gettempdir()
+    if not os.path.isdir(root):
+        parser.error(f"--nvme-dir: {root} is not a directory")
+    bandwidth = nvme_bandwidth(root)
+    results = {}
+    for name in CONTENDERS:
+        if name in chosen:
+            print(f"running ({name}) {TITLES[name]} ...", file=sys.stderr, flush=True)
+            results[name] = run_contender(name, args, root)
+    summary = report(results, bandwidth, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
