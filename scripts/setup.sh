@@ -8,6 +8,7 @@
 #                               example's plot and progress bar (matplotlib, tqdm)
 #                               and the tierflow package built from this tree
 #   scripts/setup.sh --bench    also the Python benchmark peers (deepspeed) in .venv/
+#                               and libaio-dev, which DeepSpeed's NVMe offload builds on
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -65,6 +66,18 @@ fi
 "$venv_python" -m pip install -q --no-build-isolation "${launchers[@]}" "$here"
 
 if [[ ${1:-} == --bench ]]; then
+  # DeepSpeed's NVMe offload (bench/python/zero3_vs_deepspeed.py) JIT-builds
+  # its async_io op against libaio's headers.
+  if ! dpkg-query -W -f='${Status}' libaio-dev 2>/dev/null | grep -q "install ok installed"; then
+    if [[ $(id -u) -ne 0 ]]; then
+      echo "setup.sh: missing package libaio-dev (DeepSpeed's NVMe offload); run as root to install it" >&2
+      exit 1
+    fi
+    echo "setup.sh: installing libaio-dev"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends libaio-dev >/dev/null
+  fi
   "$venv_python" -m pip install -q -r "$here/scripts/requirements-bench.txt"
 fi
 echo "setup.sh: dependencies present"
