@@ -13,15 +13,17 @@ are its own), one at a time:
       torch.optim.AdamW(fused=True) — the floor, reported, not a target;
   (b) DeepSpeed ZeRO-3, offload_param and offload_optimizer on NVMe,
       stage3_prefetch_bucket_size 0;
-  (b') the same with prefetch on (stage3_prefetch_bucket_size 5e6), to show
-      whether it runs;
+  (b') the same with prefetch on (stage3_prefetch_bucket_size --prefetch,
+      default DeepSpeed's 5e7), to show whether it runs;
   (c) tierflow's ZeRO-3 engine under (b)'s config, unchanged (its host budgets
       follow DeepSpeed's buffer keys);
   (d) tierflow's ZeRO-3 with ZenFlow: the engine refuses ZenFlow at stage 3,
       and the row prints its error;
   (e) DeepSpeed's ZenFlow: stage 2, offload_optimizer cpu, topk_ratio 0.1,
       update_interval 4, overlap_step true;
-  (f) tierflow's ZenFlow under (e)'s config.
+  (f) tierflow's ZenFlow under (e)'s config;
+  (e') and (f'): (e) and (f) with bf16 off (fp32 parameters), where
+      tierflow's ZenFlow, which steps fp32 parameters only, can run.
 
 Each runs --warmup untimed steps then --steps timed ones and reports the mean
 step time (forward, backward and optimizer step), tokens/s, peak RSS
@@ -29,13 +31,14 @@ step time (forward, backward and optimizer step), tokens/s, peak RSS
 (/proc/self/io read_bytes/write_bytes deltas; page-cache hits read nothing),
 and the timed steps' losses. The --nvme-dir filesystem's bandwidth is measured
 alone (an O_DIRECT sequential write then read of 512 MiB in 8 MiB requests, one
-at a time), and (c)'s bound is max((a)'s step, read bytes / read bandwidth +
-write bytes / write bandwidth): reads and writes share the device, so their
-times add.
+at a time), and (c)'s bound is max(compute alone, read bytes / read bandwidth +
+write bytes / write bandwidth), compute alone being (a)'s forward + backward
+without its optimizer step; reads and writes share the device, so their times
+add.
 
 Targets: (c) ≤ (b), (c) within 1.15× of its bound, (f) ≤ (e).
 
-  bench/python/zero3_vs_deepspeed.py [--nvme-dir DIR] [--steps 8] [--warmup 3] [--only a,b,c] [--json FILE]
+  bench/python/zero3_vs_deepspeed.py [--nvme-dir DIR] [--steps 5] [--warmup 2] [--only a,b,c] [--json FILE]
 """
 import argparse
 import json
@@ -51,15 +54,17 @@ import time
 
 LAYERS, WIDTH, BATCH = 24, 1024, 64
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
-CONTENDERS = ("a", "b", "b'", "c", "d", "e", "f")
+CONTENDERS = ("a", "b", "b'", "c", "d", "e", "f", "e'", "f'")
 TITLES = {
     "a": "torch in RAM (AdamW fused, fp32 master)",
     "b": "DeepSpeed ZeRO-3, NVMe params+optimizer, prefetch 0",
-    "b'": "DeepSpeed ZeRO-3, NVMe, prefetch on (5e6)",
+    "b'": "DeepSpeed ZeRO-3, NVMe, prefetch on (--prefetch)",
     "c": "tierflow ZeRO-3, (b)'s config",
     "d": "tierflow ZeRO-3 + ZenFlow",
     "e": "DeepSpeed ZenFlow, stage 2, optimizer cpu",
     "f": "tierflow ZenFlow, (e)'s config",
+    "e'": "(e) in fp32 (bf16 off)",
+    "f'": "(f) in fp32 (bf16 off)",
 }
 
 
@@ -73,6 +78,9 @@ def zero3_config(nvme_dir, prefetch):
     # One weight is 2^20 elements: the parameter swap buffers hold one each.
     # The optimizer's sub-groups are four layers, so its NVMe state streams
     # through buffer_count × 4M fp32 elements (64 MiB) rather than all of it.
+    # Live parameters and reuse distance stay within the five swap buffers:
+    # at DeepSpeed's defaults (1e9) its NVMe swapper fails ("Not enough
+    # buffers 0 for swapping 1") whatever the prefetch bucket.
     return {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
@@ -94,14 +102,14 @@ def zero3_config(nvme_dir, prefetch):
     }
 
 
-def zenflow_config(stage=2):
+def zenflow_config(bf16=True):
     return {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": bf16},
         "optimizer": optimizer_section(),
         "zero_optimization": {
-            "stage": stage,
+            "stage": 2,
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
             "zenflow": {"topk_ratio": 0.1, "update_interval": 4, "overlap_step": True},
         },
@@ -160,10 +168,13 @@ def run_torch(args):
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
     opt = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
     _, target = batches(0)
+    compute = []  # forward + backward of every step: the model's compute alone
 
     def step(x):
+        start = time.perf_counter()
         loss = torch.nn.functional.mse_loss(model(x).float(), target)
         loss.backward()
+        compute.append(time.perf_counter() - start)
         for p, m in zip(params, masters):
             m.grad = p.grad.float()
             p.grad = None
@@ -174,7 +185,9 @@ def run_torch(args):
                 p.copy_(m)
         return loss.item()
 
-    return train(step, args.steps, args.warmup)
+    out = train(step, args.steps, args.warmup)
+    out["compute"] = compute[args.warmup:]
+    return out
 
 
 def run_deepspeed(args, config):
@@ -190,9 +203,10 @@ def run_deepspeed(args, config):
     model = make_model()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     _, target = batches(0)
+    dtype = torch.bfloat16 if config["bf16"]["enabled"] else torch.float32
 
     def step(x):
-        loss = torch.nn.functional.mse_loss(engine(x).float(), target)
+        loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), target)
         engine.backward(loss)
         engine.step()
         return loss.item()
@@ -211,9 +225,10 @@ def run_tierflow(args, config):
     model = make_model()
     engine, _, _, _ = tierflow.initialize(model=model, config=config)
     _, target = batches(0)
+    dtype = torch.bfloat16 if config["bf16"]["enabled"] else torch.float32
 
     def step(x):
-        loss = torch.nn.functional.mse_loss(engine(x).float(), target)
+        loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), target)
         engine.backward(loss)
         engine.step()
         return loss.item()
@@ -235,7 +250,7 @@ def child(args):
     if name == "a":
         result = run_torch(args)
     elif name in ("b", "b'"):
-        result = run_deepspeed(args, zero3_config(scratch, 0 if name == "b" else 5_000_000))
+        result = run_deepspeed(args, zero3_config(scratch, 0 if name == "b" else args.prefetch))
     elif name == "c":
         result = run_tierflow(args, zero3_config(scratch, 0))
     elif name == "d":
@@ -244,8 +259,12 @@ def child(args):
         result = run_tierflow(args, config)
     elif name == "e":
         result = run_deepspeed(args, zenflow_config())
-    else:
+    elif name == "f":
         result = run_tierflow(args, zenflow_config())
+    elif name == "e'":
+        result = run_deepspeed(args, zenflow_config(bf16=False))
+    else:
+        result = run_tierflow(args, zenflow_config(bf16=False))
     result["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result
 
@@ -286,7 +305,7 @@ def run_contender(name, args, root):
     scratch = tempfile.mkdtemp(prefix="zero3-", dir=root)
     out = os.path.join(scratch, "result.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--scratch", scratch, "--out", out,
-           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--prefetch", str(args.prefetch)]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -317,6 +336,7 @@ def report(results, bandwidth, args):
     print(f"model: {LAYERS} × (Linear({WIDTH}, {WIDTH}) + GELU), bf16, "
           f"{LAYERS * (WIDTH * WIDTH + WIDTH):,} parameters; batch {BATCH} rows (a token = one row); "
           f"{args.warmup} warm-up + {args.steps} timed steps")
+    print("load average (1 min) before / after the contenders: " + " / ".join(f"{x:.2f}" for x in args.load))
     print(f"--nvme-dir bandwidth alone (O_DIRECT, 8 MiB requests, 512 MiB): write {mib(write_bw)} MiB/s, "
           f"read {mib(read_bw)} MiB/s")
     step = {k: mean(r["times"]) for k, r in results.items() if "times" in r}
@@ -346,21 +366,28 @@ def report(results, bandwidth, args):
     if "c" in step:
         c = results["c"]
         io_time = c["read_bytes"] / read_bw + c["write_bytes"] / write_bw
-        compute = step.get("a")
+        compute = mean(results["a"]["compute"]) if "a" in step else None
         bound = max(compute or 0.0, io_time)
-        print(f"(c) bound: max(compute alone = (a) {compute:.3f} s, I/O {mib(c['read_bytes'])} MiB read / "
+        print(f"(c) bound: max(compute alone = (a)'s forward + backward {compute:.3f} s, I/O {mib(c['read_bytes'])} MiB read / "
               f"{mib(read_bw)} MiB/s + {mib(c['write_bytes'])} MiB written / {mib(write_bw)} MiB/s = {io_time:.3f} s)"
               f" = {bound:.3f} s; (c) is {step['c'] / bound:.2f}× it" if compute is not None else
               f"(c) bound: (a) did not run; I/O alone {io_time:.3f} s")
     def verdict(label, ok):
         verdicts.append((label, ok))
         print(f"{'PASS' if ok else 'MISS' if ok is not None else 'N/A '}  {label}")
-    verdict("(c) ≤ (b)" + (f": {step['c']:.3f} vs {step['b']:.3f} s" if "c" in step and "b" in step else ""),
-            step["c"] <= step["b"] if "c" in step and "b" in step else None)
-    verdict("(c) ≤ 1.15 × bound" + (f": {step['c']:.3f} vs {1.15 * bound:.3f} s" if bound else ""),
-            step["c"] <= 1.15 * bound if bound and "a" in step else None)
-    verdict("(f) ≤ (e)" + (f": {step['f']:.3f} vs {step['e']:.3f} s" if "f" in step and "e" in step else ""),
-            step["f"] <= step["e"] if "f" in step and "e" in step else None)
+    def no_slower(label, mine, peer):
+        if mine in step and peer in step:
+            verdict(f"{label}: {step[mine]:.3f} vs {step[peer]:.3f} s", step[mine] <= step[peer])
+        else:
+            verdict(label, None)
+
+    no_slower("(c) ≤ (b)", "c", "b")
+    if bound and "c" in step:
+        verdict(f"(c) ≤ 1.15 × bound: {step['c']:.3f} vs {1.15 * bound:.3f} s", step["c"] <= 1.15 * bound)
+    else:
+        verdict("(c) ≤ 1.15 × bound", None)
+    no_slower("(f) ≤ (e)", "f", "e")
+    no_slower("(f') ≤ (e') (fp32)", "f'", "e'")
     return {"bandwidth": {"write": write_bw, "read": read_bw}, "bound_c": bound, "results": results,
             "targets": [{"target": t, "pass": ok} for t, ok in verdicts]}
 
@@ -368,9 +395,11 @@ def report(results, bandwidth, args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nvme-dir", default=None, help="where NVMe files go (default: a temporary directory in /tmp)")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per contender")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per contender")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--only", default=",".join(CONTENDERS), help="contenders to run, comma-separated")
+    parser.add_argument("--prefetch", type=int, default=50_000_000,
+                        help="(b')'s stage3_prefetch_bucket_size (default DeepSpeed's own, 5e7)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds each contender may run")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -397,13 +426,17 @@ def main():
     root = args.nvme_dir or tempfile.gettempdir()
     if not os.path.isdir(root):
         parser.error(f"--nvme-dir: {root} is not a directory")
+    load_before = os.getloadavg()[0]
     bandwidth = nvme_bandwidth(root)
     results = {}
     for name in CONTENDERS:
         if name in chosen:
             print(f"running ({name}) {TITLES[name]} ...", file=sys.stderr, flush=True)
             results[name] = run_contender(name, args, root)
+    # Contenders share the CPUs with whatever else runs: the load says how much.
+    args.load = (load_before, os.getloadavg()[0])
     summary = report(results, bandwidth, args)
+    summary["load_average"] = args.load
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
