@@ -27,8 +27,10 @@ are its own), one at a time:
 
 Each runs --warmup untimed steps then --steps timed ones and reports the mean
 step time (forward, backward and optimizer step), tokens/s, peak RSS
-(ru_maxrss of the child), the storage bytes read and written per timed step
-(/proc/self/io read_bytes/write_bytes deltas; page-cache hits read nothing),
+(ru_maxrss of the child, plus the peak of any helper process it runs, as
+DeepSpeed's ZenFlow does for its optimizer), the storage bytes read and
+written per timed step (/proc/PID/io read_bytes/write_bytes deltas, helpers
+included; page-cache hits read nothing),
 and the timed steps' losses. The --nvme-dir filesystem's bandwidth is measured
 alone (an O_DIRECT sequential write then read of 512 MiB in 8 MiB requests, one
 at a time), and (c)'s bound is max(compute alone, read bytes / read bandwidth +
@@ -136,13 +138,49 @@ def batches(n):
     return [torch.randn(BATCH, WIDTH, generator=g).to(torch.bfloat16) for _ in range(n)], target
 
 
-def proc_io():
+def proc_io(pid="self"):
     out = {}
-    with open("/proc/self/io") as f:
+    with open(f"/proc/{pid}/io") as f:
         for line in f:
             key, value = line.split(":")
             out[key.strip()] = int(value)
     return out["read_bytes"], out["write_bytes"]
+
+
+def helpers():
+    """The live child processes of this one (DeepSpeed's ZenFlow steps its
+    optimizer in one when overlap_step is on): their pids."""
+    pids = set()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids.update(f.read().split())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return sorted(pids)
+
+
+def helper_peak_rss(pids):
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+        except (FileNotFoundError, StopIteration):
+            pass
+    return total
+
+
+def io_of(pids):
+    """Storage bytes read and written by this process and by ``pids``."""
+    read, write = proc_io()
+    for pid in pids:
+        try:
+            r, w = proc_io(pid)
+            read, write = read + r, write + w
+        except FileNotFoundError:
+            pass
+    return read, write
 
 
 def train(step, steps, warmup):
@@ -150,14 +188,16 @@ def train(step, steps, warmup):
     xs, _ = batches(warmup + steps)
     for x in xs[:warmup]:
         step(x)
-    r0, w0 = proc_io()
+    pids = helpers()
+    r0, w0 = io_of(pids)
     times, losses = [], []
     for x in xs[warmup:]:
         start = time.perf_counter()
         losses.append(float(step(x)))
         times.append(time.perf_counter() - start)
-    r1, w1 = proc_io()
-    return {"times": times, "losses": losses, "read_bytes": (r1 - r0) / steps, "write_bytes": (w1 - w0) / steps}
+    r1, w1 = io_of(pids)
+    return {"times": times, "losses": losses, "read_bytes": (r1 - r0) / steps, "write_bytes": (w1 - w0) / steps,
+            "helpers": len(pids), "helper_rss": helper_peak_rss(pids)}
 
 
 def run_torch(args):
@@ -265,7 +305,8 @@ def child(args):
         result = run_deepspeed(args, zenflow_config(bf16=False))
     else:
         result = run_tierflow(args, zenflow_config(bf16=False))
-    result["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # A helper process's memory is the contender's too: its peak adds in.
+    result["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 + result["helper_rss"]
     return result
 
 
@@ -353,6 +394,10 @@ def report(results, bandwidth, args):
         print(f"({k}){'':{3 - len(k)}}{TITLES[k]:52} {s:8.3f} {BATCH / s:8.1f} {vb:>7} {va:>7} "
               f"{mib(r['max_rss']):>8} {mib(r['read_bytes']):>9} {mib(r['write_bytes']):>9}")
     print()
+    for k, r in results.items():
+        if r.get("helpers"):
+            print(f"({k}) ran {r['helpers']} helper process(es): RSS and storage bytes include them "
+                  f"({mib(r['helper_rss'])} MiB of the RSS)")
     for k, r in results.items():
         if "losses" in r:
             print(f"({k}) losses: " + " ".join(f"{x:.5f}" for x in r["losses"]))
