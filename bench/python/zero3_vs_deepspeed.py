@@ -25,7 +25,9 @@ are its own), one at a time:
   (e') and (f'): (e) and (f) with bf16 off (fp32 parameters), where
       tierflow's ZenFlow, which steps fp32 parameters only, can run.
 
-Each runs --warmup untimed steps then --steps timed ones and reports the mean
+Each runs --warmup untimed steps then --steps timed ones (the defaults put
+DeepSpeed's ZenFlow past its first update window, where it spawns its
+optimizer process, and time two whole windows) and reports the mean
 step time (forward, backward and optimizer step), tokens/s, peak RSS
 (ru_maxrss of the child, plus the peak of any helper process it runs, as
 DeepSpeed's ZenFlow does for its optimizer), the storage bytes read and
@@ -40,7 +42,7 @@ add.
 
 Targets: (c) ≤ (b), (c) within 1.15× of its bound, (f) ≤ (e).
 
-  bench/python/zero3_vs_deepspeed.py [--nvme-dir DIR] [--steps 5] [--warmup 2] [--only a,b,c] [--json FILE]
+  bench/python/zero3_vs_deepspeed.py [--nvme-dir DIR] [--steps 8] [--warmup 5] [--only a,b,c] [--json FILE]
 """
 import argparse
 import json
@@ -172,15 +174,14 @@ def helper_peak_rss(pids):
 
 
 def io_of(pids):
-    """Storage bytes read and written by this process and by ``pids``."""
-    read, write = proc_io()
+    """{pid: (read, write)}: the storage bytes of this process ("self") and of ``pids``."""
+    out = {"self": proc_io()}
     for pid in pids:
         try:
-            r, w = proc_io(pid)
-            read, write = read + r, write + w
-        except FileNotFoundError:
+            out[pid] = proc_io(pid)
+        except FileNotFoundError:  # ended meanwhile
             pass
-    return read, write
+    return out
 
 
 def train(step, steps, warmup):
@@ -188,15 +189,19 @@ def train(step, steps, warmup):
     xs, _ = batches(warmup + steps)
     for x in xs[:warmup]:
         step(x)
-    pids = helpers()
-    r0, w0 = io_of(pids)
+    before = io_of(helpers())
     times, losses = [], []
     for x in xs[warmup:]:
         start = time.perf_counter()
         losses.append(float(step(x)))
         times.append(time.perf_counter() - start)
-    r1, w1 = io_of(pids)
-    return {"times": times, "losses": losses, "read_bytes": (r1 - r0) / steps, "write_bytes": (w1 - w0) / steps,
+    # DeepSpeed's ZenFlow starts its process at its first optimizer step, which
+    # may fall among the timed ones: a helper born meanwhile counts from zero.
+    pids = sorted(set(helpers()) | (set(before) - {"self"}))
+    after = io_of(pids)
+    read = sum(r - before.get(pid, (0, 0))[0] for pid, (r, _) in after.items())
+    write = sum(w - before.get(pid, (0, 0))[1] for pid, (_, w) in after.items())
+    return {"times": times, "losses": losses, "read_bytes": read / steps, "write_bytes": write / steps,
             "helpers": len(pids), "helper_rss": helper_peak_rss(pids)}
 
 
@@ -397,7 +402,7 @@ def report(results, bandwidth, args):
     for k, r in results.items():
         if r.get("helpers"):
             print(f"({k}) ran {r['helpers']} helper process(es): RSS and storage bytes include them "
-                  f"({mib(r['helper_rss'])} MiB of the RSS)")
+                  f"({mib(r['helper_rss'])} MiB of the RSS; pages shared with the trainer count twice)")
     for k, r in results.items():
         if "losses" in r:
             print(f"({k}) losses: " + " ".join(f"{x:.5f}" for x in r["losses"]))
@@ -440,8 +445,8 @@ def report(results, bandwidth, args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nvme-dir", default=None, help="where NVMe files go (default: a temporary directory in /tmp)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per contender")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per contender (two ZenFlow windows of 4)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before them (past the first ZenFlow window)")
     parser.add_argument("--only", default=",".join(CONTENDERS), help="contenders to run, comma-separated")
     parser.add_argument("--prefetch", type=int, default=50_000_000,
                         help="(b')'s stage3_prefetch_bucket_size (default DeepSpeed's own, 5e7)")
