@@ -32,6 +32,7 @@
 
 #include "arrays.hpp"
 #include "bindings.hpp"
+#include "offloaded_state.hpp"
 #include "tierflow/core/block.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/store.hpp"
@@ -41,8 +42,6 @@
 #include "tierflow/optim/gradients.hpp"
 #include "tierflow/optim/grouping.hpp"
 #include "tierflow/optim/muon.hpp"
-#include "tierflow/tiers/checkpoint.hpp"
-#include "tierflow/tiers/tiers.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -157,8 +156,7 @@ void muon_step(optim::executor& ex, buffer param, const_buffer grad, buffer mome
 }
 
 // Muon whose momentum buffers live on NVMe (tierflow._core.OffloadedMuon):
-// a store of a pinned host tier of exactly the budget and an NVMe tier of
-// files in the user's directory (as OffloadedAdam's), one fp32 key per
+// the store of offloaded_state.hpp (as OffloadedAdam's), one fp32 key per
 // parameter streamed chunk by chunk (core/streamed_state.hpp). The momentum
 // rule is elementwise, so each chunk of the buffer is read, updated and
 // written back while the next streams in, and the Nesterov update of its
@@ -166,62 +164,21 @@ void muon_step(optim::executor& ex, buffer param, const_buffer grad, buffer mome
 // matrix, so it runs once the pass is done, then the parameter's update.
 // The arithmetic is the kernel's (optim/muon.cpp), expression for
 // expression, so both give the same bits.
-constexpr std::uint64_t muon_sub_groups_in_budget = 4;  // one updating, two loading, one written back
-// The minimum OffloadedAdam has (the Python classes check one number).
-constexpr std::uint64_t muon_minimum_host_memory = 64 << 10;
-constexpr std::uint64_t muon_unbounded_nvme = 1ull << 60;  // the filesystem's free space bounds it
 const std::vector<std::string> muon_key_names = {"momentum_buffer"};
 constexpr std::size_t momentum_key = 0;
 constexpr std::size_t elementwise_grain = 1 << 16;  // elements per task: far above a task's cost
 
-class offloaded_muon {
+class offloaded_muon : public offloaded_state {
  public:
   offloaded_muon(const std::string& nvme_dir, const std::variant<std::uint64_t, std::string>& host_memory_given,
-                 std::uint64_t file_size) {
-    const std::uint64_t host_memory = std::holds_alternative<std::string>(host_memory_given)
-                                          ? parse_size(std::get<std::string>(host_memory_given), "host_memory")
-                                          : std::get<std::uint64_t>(host_memory_given);
-    if (host_memory < muon_minimum_host_memory)
-      throw user_error("host_memory: " + format_bytes(double(host_memory)) + " is below the minimum of " +
-                       format_bytes(double(muon_minimum_host_memory)));
-    host_memory_ = host_memory / block_alignment * block_alignment;
-    const std::uint64_t sub_group = host_memory_ / muon_sub_groups_in_budget / block_alignment * block_alignment;
-    tiers::store_config config;
-    config.host = tiers::host_tier_options{.budget = host_memory_};
-    config.nvme = tiers::nvme_tier_options{.directory = nvme_dir,
-                                           .budget = muon_unbounded_nvme,
-                                           .file_size = std::max<std::uint64_t>(aligned_size(file_size), block_alignment)};
-    config.store.trace = false;  // a trace grows with every transfer: not for a training run's life
-    nb::gil_scoped_release unlocked;  // maps and touches the host budget, opens the directory
-    store_ = tiers::make_store(std::move(config));
-    state_ = std::make_unique<streamed_state>(*store_, muon_key_names,
-                                              streamed_state_options{.sub_group_bytes = sub_group});
-    nvme_dir_ = nvme_dir;
-  }
-
-  ~offloaded_muon() {
-    nb::gil_scoped_release unlocked;  // the store waits for the transfers in flight, then removes its files
-    state_.reset();
-    store_.reset();
-  }
-  offloaded_muon(const offloaded_muon&) = delete;
-  offloaded_muon& operator=(const offloaded_muon&) = delete;
+                 std::uint64_t file_size)
+      : offloaded_state(nvme_dir, host_memory_given, file_size, muon_key_names, "") {}
 
   // Registers a parameter of `elements` and makes its buffer's blocks on NVMe.
   std::size_t add_param(std::uint64_t elements) {
     std::lock_guard lock(mutex_);
-    require_open();
-    // A fresh name each time: a registration that failed (ENOSPC) may have
-    // left some of its blocks behind under the name it tried.
-    const std::string name = "p" + std::to_string(attempts_++);
     const std::size_t keys[] = {momentum_key};
-    std::size_t tensor = 0;
-    {
-      nb::gil_scoped_release unlocked;  // preallocates files
-      tensor = state_->add_tensor(name, elements, keys);
-    }
-    tensors_.push_back(tensor);
-    return tensors_.size() - 1;
+    return add_slot(elements, keys);
   }
 
   // One step of one matrix; see the docstring in bind_muon.
@@ -253,7 +210,7 @@ class offloaded_muon {
     const float mu = options.momentum;
     const bool nest = options.nesterov == optim::nesterov::on;
 
-    const streamed_state::pass_item item{tensor, {{momentum_key, all_fresh(tensor) ? access::overwrite : access::write}}};
+    const streamed_state::pass_item item{tensor, {{momentum_key, all_fresh(tensor, momentum_key) ? access::overwrite : access::write}}};
     state_->stream({&item, 1}, [&](const streamed_chunk& c) {
       float* buf = c.buffers[0].data();
       float* uc = u + c.first;
@@ -313,100 +270,29 @@ class offloaded_muon {
     });
   }
 
-  void forget(std::size_t slot) {
-    std::lock_guard lock(mutex_);
-    require_open();
-    state_->forget(tensor_at(slot), momentum_key);
-  }
+  void forget(std::size_t slot) { forget_key(slot, momentum_key); }
 
-  bool has(std::size_t slot) {
-    std::lock_guard lock(mutex_);
-    require_open();
-    return state_->any_written(tensor_at(slot), momentum_key);
-  }
-
-  // Every block into a crash-safe checkpoint in `directory`; returns its generation.
-  std::uint64_t save(const std::string& directory) {
-    nb::gil_scoped_release unlocked;
-    std::lock_guard lock(mutex_);
-    require_open();
-    return tiers::write_checkpoint(*store_, directory).generation;
-  }
-
-  // Restores checkpoint `generation` of `directory` (verified first: nothing
-  // changes when it is refused) and sends its blocks home.
-  void load(const std::string& directory, std::uint64_t generation) {
-    nb::gil_scoped_release unlocked;
-    std::lock_guard lock(mutex_);
-    require_open();
-    const std::uint64_t found = tiers::read_checkpoint_manifest(directory).generation;
-    if (found != generation)
-      throw user_error("load_state: " + directory + " holds checkpoint " + std::to_string(found) +
-                       " of the state, not " + std::to_string(generation) +
-                       " (a save interrupted between its two files)");
-    tiers::restore_checkpoint(*store_, directory);
-    store_->flush();
-  }
+  bool has(std::size_t slot) { return key_written(slot, momentum_key); }
 
   // Per slot, its element count.
   std::vector<std::uint64_t> layout() {
     std::lock_guard lock(mutex_);
     require_open();
     std::vector<std::uint64_t> out;
-    for (const std::size_t t : tensors_) out.push_back(state_->elements(t));
+    for (std::size_t slot = 0; slot < slots(); ++slot) out.push_back(state_->elements(tensor_at(slot)));
     return out;
   }
 
-  std::vector<bool> fresh_chunks(std::size_t slot) {
-    std::lock_guard lock(mutex_);
-    require_open();
-    return state_->fresh_chunks(tensor_at(slot), momentum_key);
-  }
+  std::vector<bool> fresh_chunks(std::size_t slot) { return fresh_chunks_of(slot, momentum_key); }
 
   void set_fresh_chunks(std::size_t slot, std::vector<bool> fresh) {
-    std::lock_guard lock(mutex_);
-    require_open();
-    state_->set_fresh_chunks(tensor_at(slot), momentum_key, std::move(fresh));
-  }
-
-  // Flushes and closes the store, removes its files, frees the matrix. Idempotent.
-  void close() {
-    nb::gil_scoped_release unlocked;
-    std::lock_guard lock(mutex_);
-    if (!store_) return;
-    store_->close();
-    state_.reset();
-    store_.reset();
-    std::vector<float>().swap(update_);
-  }
-
-  nb::dict telemetry() {
-    std::string json;
-    {
-      std::lock_guard lock(mutex_);
-      require_open();
-      json = store_->telemetry_json();
-    }
-    return nb::cast<nb::dict>(nb::module_::import_("json").attr("loads")(json));
-  }
-
-  std::uint64_t host_memory() const noexcept { return host_memory_; }
-  std::uint64_t nvme_bytes() {
-    std::lock_guard lock(mutex_);
-    require_open();
-    return state_->home_bytes();
-  }
-  const std::string& nvme_dir() const noexcept { return nvme_dir_; }
-  bool closed() {
-    std::lock_guard lock(mutex_);
-    return !store_;
-  }
-  std::size_t slot_count() {
-    std::lock_guard lock(mutex_);
-    return tensors_.size();
+    set_fresh_chunks_of(slot, momentum_key, std::move(fresh));
   }
 
  private:
+  // The matrix, freed when the store is closed.
+  void release() override { std::vector<float>().swap(update_); }
+
   // body(begin, end) over [0, n) in ranges, on `ex`'s threads.
   template <class Body>
   static void for_each_range(optim::executor& ex, std::size_t n, const Body& body) {
@@ -428,30 +314,6 @@ class offloaded_muon {
     check_size(t, state_->elements(tensor), what);
   }
 
-  std::size_t tensor_at(std::size_t slot) const {
-    if (slot >= tensors_.size())
-      throw user_error("slot " + std::to_string(slot) + ": " + std::to_string(tensors_.size()) + " registered");
-    return tensors_[slot];
-  }
-
-  bool all_fresh(std::size_t tensor) const {
-    for (std::size_t c = 0; c < state_->chunk_count(tensor); ++c) {
-      if (!state_->chunk_fresh(tensor, momentum_key, c)) return false;
-    }
-    return true;
-  }
-
-  void require_open() const {
-    if (!store_) throw user_error("the optimizer's NVMe state was closed");
-  }
-
-  std::mutex mutex_;  // one step, read or write at a time (taken with the GIL released)
-  std::unique_ptr<block_store> store_;
-  std::unique_ptr<streamed_state> state_;  // over *store_
-  std::vector<std::size_t> tensors_;       // per slot, its tensor in state_
-  std::size_t attempts_ = 0;
-  std::uint64_t host_memory_ = 0;
-  std::string nvme_dir_;
   // The Newton–Schulz buffers and plans, and the matrix of Nesterov updates
   // the pass fills: RAM besides the host budget, sized by the largest matrix.
   optim::muon_optimizer kernel_{optim::muon_options{}};
@@ -497,7 +359,7 @@ void bind_muon(nb::module_& m) {
         "next call; None makes them for this call only. Releases the GIL while the step runs.\n"
         "Raises ValueError naming a bad argument (nothing written).");
 
-  nb::class_<offloaded_muon>(m, "OffloadedMuon",
+  nb::class_<offloaded_muon> offloaded(m, "OffloadedMuon",
       "Muon's momentum buffers (fp32) in files of the directory `nvme_dir` (made 0700 when\n"
       "missing; its parent must exist), streamed through a pinned host budget of\n"
       "`host_memory` bytes (rounded down to 4 KiB, at least 64 KiB) in chunks of a quarter of\n"
@@ -505,8 +367,8 @@ void bind_muon(nb::module_& m) {
       "the object is freed. Besides the budget, RAM for the Newton-Schulz workspace and one\n"
       "fp32 matrix of updates, sized by the largest matrix stepped. Raises\n"
       "TierflowError (an OSError with errno and filename) when the directory cannot be made\n"
-      "or written, or the disk is full.")
-      .def(nb::init<const std::string&, const std::variant<std::uint64_t, std::string>&, std::uint64_t>(),
+      "or written, or the disk is full.");
+  offloaded.def(nb::init<const std::string&, const std::variant<std::uint64_t, std::string>&, std::uint64_t>(),
            "nvme_dir"_a, "host_memory"_a, "file_size"_a = 256ull << 20)
       .def("add_param", &offloaded_muon::add_param, "elements"_a,
            "Registers a matrix of `elements` and preallocates its momentum buffer's blocks;\n"
@@ -532,25 +394,12 @@ void bind_muon(nb::module_& m) {
       .def("forget", &offloaded_muon::forget, "slot"_a,
            "Marks the buffer of `slot` never written: the next step starts it as zeros.")
       .def("has", &offloaded_muon::has, "slot"_a, "Whether the buffer of `slot` was written.")
-      .def("save", &offloaded_muon::save, "directory"_a,
-           "Writes every block into tierflow's crash-safe checkpoint in `directory` (manifest.json\n"
-           "and blocks-<n>.bin, checksummed), through the host budget; returns its generation.")
-      .def("load", &offloaded_muon::load, "directory"_a, "generation"_a,
-           "Restores checkpoint `generation` of `directory` (written by save() of an optimizer of\n"
-           "the same layout), through the host budget; refuses (nothing changed) another\n"
-           "generation, a corrupt checkpoint or one of other blocks.")
       .def("layout", &offloaded_muon::layout, "Per slot: its element count.")
       .def("fresh_chunks", &offloaded_muon::fresh_chunks, "slot"_a,
            "Per chunk of the buffer of `slot`: whether it was never written.")
       .def("set_fresh_chunks", &offloaded_muon::set_fresh_chunks, "slot"_a, "fresh"_a,
-           "Declares which chunks of the buffer of `slot` were never written (after load()).")
-      .def("close", &offloaded_muon::close, "Flushes, then removes the files. Idempotent.")
-      .def("telemetry", &offloaded_muon::telemetry, "The store's counters, per tier and link.")
-      .def_prop_ro("host_memory", &offloaded_muon::host_memory)
-      .def_prop_ro("nvme_bytes", &offloaded_muon::nvme_bytes)
-      .def_prop_ro("nvme_dir", &offloaded_muon::nvme_dir)
-      .def_prop_ro("closed", &offloaded_muon::closed)
-      .def_prop_ro("slot_count", &offloaded_muon::slot_count);
+           "Declares which chunks of the buffer of `slot` were never written (after load()).");
+  def_offloaded_state(offloaded);
 
   m.def("group_parameters", &group_parameters, "named_shapes"_a,
         "Which optimizer each parameter gets when a model trains with Muon, from its name and\n"

@@ -4,7 +4,8 @@
 //
 // This is where the pieces meet (the assembly the architecture leaves to the
 // program): the store comes from tiers/ (a pinned host tier of exactly the
-// budget, an NVMe tier of files in the user's directory), the chunked state
+// budget, an NVMe tier of files in the user's directory; offloaded_state.hpp
+// makes it, and keeps the slots, the checkpoint and close()), the chunked state
 // and its pipelined pass from core/ (streamed_state over run_optimizer_stream:
 // read(i+1) ‖ update(i) ‖ write(i-1)), the arithmetic from optim/ (the fused
 // Adam kernel torch.optim.Adam's "cpu" offload runs too, so both give the same
@@ -39,15 +40,14 @@
 
 #include "arrays.hpp"
 #include "bindings.hpp"
+#include "offloaded_state.hpp"
+#include "tierflow/core/block.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/store.hpp"
 #include "tierflow/core/streamed_state.hpp"
-#include "tierflow/core/units.hpp"
 #include "tierflow/optim/adam.hpp"
 #include "tierflow/optim/executor.hpp"
 #include "tierflow/optim/gradients.hpp"
-#include "tierflow/tiers/checkpoint.hpp"
-#include "tierflow/tiers/tiers.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -59,12 +59,8 @@ namespace {
 enum state_key : std::size_t { master = 0, exp_avg = 1, exp_avg_sq = 2, max_exp_avg_sq = 3 };
 const std::vector<std::string> key_names = {"master_param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
 constexpr std::size_t key_count = 4;
-// The host budget holds this many sub-groups: the one updating, depth - 1 = 2
-// loading, and one being written back.
-constexpr std::uint64_t sub_groups_in_budget = 4;
-constexpr std::uint64_t minimum_host_memory = sub_groups_in_budget * key_count * block_alignment;  // 64 KiB
-// No budget on NVMe but the filesystem's free space (ENOSPC names the file).
-constexpr std::uint64_t unbounded_nvme = 1ull << 60;
+static_assert(minimum_host_memory == sub_groups_in_budget * key_count * block_alignment,
+              "the minimum budget is four sub-groups of a page per state buffer");
 
 // Whether no element of `grad` is an inf or a nan, read on `ex`'s threads.
 // On the bit patterns: an exponent of all ones is inf or nan in each of
@@ -119,38 +115,12 @@ struct step_entry {
   std::size_t group = 0;
 };
 
-class offloaded_adam {
+class offloaded_adam : public offloaded_state {
  public:
   offloaded_adam(const std::string& nvme_dir, const std::variant<std::uint64_t, std::string>& host_memory_given,
-                 std::uint64_t file_size) {
-    // "2G" as the CLI's size flags read it, or a byte count.
-    const std::uint64_t host_memory = std::holds_alternative<std::string>(host_memory_given)
-                                          ? parse_size(std::get<std::string>(host_memory_given), "host_memory")
-                                          : std::get<std::uint64_t>(host_memory_given);
-    if (host_memory < minimum_host_memory)
-      throw user_error("host_memory: " + format_bytes(double(host_memory)) + " is below the minimum of " +
-                       format_bytes(double(minimum_host_memory)) + " (four sub-groups of a page per state buffer)");
-    host_memory_ = host_memory / block_alignment * block_alignment;
-    const std::uint64_t sub_group = host_memory_ / sub_groups_in_budget / block_alignment * block_alignment;
-    tiers::store_config config;
-    config.host = tiers::host_tier_options{.budget = host_memory_};
-    config.nvme = tiers::nvme_tier_options{.directory = nvme_dir,
-                                           .budget = unbounded_nvme,
-                                           .file_size = std::max<std::uint64_t>(aligned_size(file_size), block_alignment)};
-    config.store.trace = false;  // a trace grows with every transfer: not for a training run's life
-    nb::gil_scoped_release unlocked;  // maps and touches the host budget, opens the directory
-    store_ = tiers::make_store(std::move(config));
-    state_ = std::make_unique<streamed_state>(*store_, key_names, streamed_state_options{.sub_group_bytes = sub_group});
-    nvme_dir_ = nvme_dir;
-  }
-
-  ~offloaded_adam() {
-    nb::gil_scoped_release unlocked;  // the store waits for the transfers in flight, then removes its files
-    state_.reset();
-    store_.reset();
-  }
-  offloaded_adam(const offloaded_adam&) = delete;
-  offloaded_adam& operator=(const offloaded_adam&) = delete;
+                 std::uint64_t file_size)
+      : offloaded_state(nvme_dir, host_memory_given, file_size, key_names,
+                        " (four sub-groups of a page per state buffer)") {}
 
   // Registers a parameter of `elements` and makes its state's blocks on NVMe.
   std::size_t add_param(std::uint64_t elements, bool has_master, bool amsgrad) {
@@ -160,16 +130,9 @@ class offloaded_adam {
     if (has_master) keys.push_back(master);
     keys.insert(keys.end(), {exp_avg, exp_avg_sq});
     if (amsgrad) keys.push_back(max_exp_avg_sq);
-    // A fresh name each time: a registration that failed (ENOSPC) may have
-    // left some of its blocks behind under the name it tried.
-    const std::string name = "p" + std::to_string(attempts_++);
-    std::size_t tensor = 0;
-    {
-      nb::gil_scoped_release unlocked;  // preallocates files
-      tensor = state_->add_tensor(name, elements, keys);
-    }
-    slots_.push_back({tensor, has_master});
-    return slots_.size() - 1;
+    const std::size_t slot = add_slot(elements, keys);
+    has_master_.push_back(has_master);
+    return slot;
   }
 
   // One step; see the docstring in bind_offloaded_adam. Returns the slots
@@ -185,7 +148,7 @@ class offloaded_adam {
     std::vector<buffer> params;
     std::vector<const_buffer> grads;
     std::vector<step_entry> work;
-    std::vector<bool> seen(slots_.size(), false);
+    std::vector<bool> seen(slots(), false);
     for (nb::handle item : entries) {
       const auto t = nb::cast<nb::tuple>(item);
       if (t.size() != 5) throw user_error("entries: (slot, param, grad, step, group) tuples expected");
@@ -229,7 +192,7 @@ class offloaded_adam {
     }
     std::vector<streamed_state::pass_item> items;
     for (const step_entry& e : work) {
-      const slot_record& s = slots_[e.slot];
+      const slot_record s = slot_at(e.slot);
       // amsgrad turned on for a parameter registered without it: its buffer
       // now, before any parameter is touched (ENOSPC here changes nothing).
       if (hyper[e.group].options.amsgrad == optim::amsgrad::on) state_->add_key(s.tensor, max_exp_avg_sq);
@@ -243,7 +206,7 @@ class offloaded_adam {
     }
     state_->stream(items, [&](const streamed_chunk& c) {
       const step_entry& e = work[c.item];
-      const slot_record& s = slots_[e.slot];
+      const slot_record s = slot_at(e.slot);
       const std::size_t n = c.elements;
       const std::size_t first = c.first;
       // The chunk's keys, in the order `items` asked for them.
@@ -282,7 +245,7 @@ class offloaded_adam {
     nb::gil_scoped_release unlocked;
     std::lock_guard lock(mutex_);
     require_open();
-    const slot_record& s = slot_at(slot);
+    const slot_record s = slot_at(slot);
     check_size(to, s.tensor, "out", dtype::fp32);
     if (!state_->has_key(s.tensor, k)) throw user_error("slot " + std::to_string(slot) + " has no " + key_name);
     if (k == master && any_fresh(s.tensor, k) && from.empty())
@@ -310,7 +273,7 @@ class offloaded_adam {
     nb::gil_scoped_release unlocked;
     std::lock_guard lock(mutex_);
     require_open();
-    const slot_record& s = slot_at(slot);
+    const slot_record s = slot_at(slot);
     check_size(from, s.tensor, "in", dtype::fp32);
     if (k == master && !s.has_master) throw user_error("master_param: a float32 parameter keeps no master");
     state_->add_key(s.tensor, k);
@@ -322,18 +285,12 @@ class offloaded_adam {
 
   // Makes `key` of `slot` fresh: the next step starts it as torch would.
   void forget(std::size_t slot, const std::string& key_name) {
-    const std::size_t k = key_of(key_name);
-    std::lock_guard lock(mutex_);
-    require_open();
-    state_->forget(slot_at(slot).tensor, k);
+    forget_key(slot, key_of(key_name));
   }
 
   // Whether `key` of `slot` has state (some chunk was written).
   bool has(std::size_t slot, const std::string& key_name) {
-    const std::size_t k = key_of(key_name);
-    std::lock_guard lock(mutex_);
-    require_open();
-    return state_->any_written(slot_at(slot).tensor, k);
+    return key_written(slot, key_of(key_name));
   }
 
   // Reads and writes back every written buffer with no update: the I/O of a
@@ -343,7 +300,8 @@ class offloaded_adam {
     std::lock_guard lock(mutex_);
     require_open();
     std::vector<streamed_state::pass_item> items;
-    for (const slot_record& s : slots_) {
+    for (std::size_t slot = 0; slot < slots(); ++slot) {
+      const slot_record s = slot_at(slot);
       streamed_state::pass_item item{s.tensor, {}};
       for (std::size_t k = 0; k < key_count; ++k) {
         if (state_->has_key(s.tensor, k) && state_->any_written(s.tensor, k) && !any_fresh(s.tensor, k))
@@ -355,37 +313,13 @@ class offloaded_adam {
     return std::chrono::duration<double>(stats.total).count();
   }
 
-  // Every block of the state into a crash-safe checkpoint in `directory`
-  // (tiers/checkpoint.hpp), read through the host budget; returns its generation.
-  std::uint64_t save(const std::string& directory) {
-    nb::gil_scoped_release unlocked;
-    std::lock_guard lock(mutex_);
-    require_open();
-    return tiers::write_checkpoint(*store_, directory).generation;
-  }
-
-  // Restores the checkpoint of generation `generation` in `directory` into the
-  // state's blocks (verified first: nothing changes when it is refused), and
-  // sends them home.
-  void load(const std::string& directory, std::uint64_t generation) {
-    nb::gil_scoped_release unlocked;
-    std::lock_guard lock(mutex_);
-    require_open();
-    const std::uint64_t found = tiers::read_checkpoint_manifest(directory).generation;
-    if (found != generation)
-      throw user_error("load_state: " + directory + " holds checkpoint " + std::to_string(found) +
-                       " of the state, not " + std::to_string(generation) +
-                       " (a save interrupted between its two files)");
-    tiers::restore_checkpoint(*store_, directory);
-    store_->flush();
-  }
-
   // Per slot: (elements, has a master, the keys it has).
   std::vector<std::tuple<std::uint64_t, bool, std::vector<std::string>>> layout() {
     std::lock_guard lock(mutex_);
     require_open();
     std::vector<std::tuple<std::uint64_t, bool, std::vector<std::string>>> out;
-    for (const slot_record& s : slots_) {
+    for (std::size_t slot = 0; slot < slots(); ++slot) {
+      const slot_record s = slot_at(slot);
       std::vector<std::string> keys;
       for (std::size_t k = 0; k < key_count; ++k) {
         if (state_->has_key(s.tensor, k)) keys.push_back(key_names[k]);
@@ -396,58 +330,11 @@ class offloaded_adam {
   }
 
   std::vector<bool> fresh_chunks(std::size_t slot, const std::string& key_name) {
-    const std::size_t k = key_of(key_name);
-    std::lock_guard lock(mutex_);
-    require_open();
-    return state_->fresh_chunks(slot_at(slot).tensor, k);
+    return fresh_chunks_of(slot, key_of(key_name));
   }
 
   void set_fresh_chunks(std::size_t slot, const std::string& key_name, std::vector<bool> fresh) {
-    const std::size_t k = key_of(key_name);
-    std::lock_guard lock(mutex_);
-    require_open();
-    state_->set_fresh_chunks(slot_at(slot).tensor, k, std::move(fresh));
-  }
-
-  // Flushes and closes the store and removes its files. Idempotent.
-  void close() {
-    nb::gil_scoped_release unlocked;
-    std::lock_guard lock(mutex_);
-    if (!store_) return;
-    store_->close();
-    state_.reset();
-    store_.reset();
-  }
-
-  nb::dict telemetry() {
-    std::string json;
-    {
-      std::lock_guard lock(mutex_);
-      require_open();
-      json = store_->telemetry_json();
-    }
-    return nb::cast<nb::dict>(nb::module_::import_("json").attr("loads")(json));
-  }
-
-  std::uint64_t host_memory() const noexcept { return host_memory_; }
-  std::uint64_t sub_group_bytes() {
-    std::lock_guard lock(mutex_);
-    require_open();
-    return state_->sub_group_bytes();
-  }
-  std::uint64_t nvme_bytes() {
-    std::lock_guard lock(mutex_);
-    require_open();
-    return state_->home_bytes();
-  }
-  const std::string& nvme_dir() const noexcept { return nvme_dir_; }
-  bool closed() {
-    std::lock_guard lock(mutex_);
-    return !store_;
-  }
-  std::size_t slot_count() {
-    std::lock_guard lock(mutex_);
-    return slots_.size();
+    set_fresh_chunks_of(slot, key_of(key_name), std::move(fresh));
   }
 
  private:
@@ -500,49 +387,22 @@ class offloaded_adam {
       throw user_error(what + ": misaligned for its dtype");
   }
 
-  const slot_record& slot_at(std::size_t slot) const {
-    if (slot >= slots_.size())
-      throw user_error("slot " + std::to_string(slot) + ": " + std::to_string(slots_.size()) + " registered");
-    return slots_[slot];
-  }
+  slot_record slot_at(std::size_t slot) const { return {tensor_at(slot), has_master_[slot]}; }
 
-  bool all_fresh(std::size_t tensor, std::size_t k) const {
-    for (std::size_t c = 0; c < state_->chunk_count(tensor); ++c) {
-      if (!state_->chunk_fresh(tensor, k, c)) return false;
-    }
-    return true;
-  }
-  bool any_fresh(std::size_t tensor, std::size_t k) const {
-    for (std::size_t c = 0; c < state_->chunk_count(tensor); ++c) {
-      if (state_->chunk_fresh(tensor, k, c)) return true;
-    }
-    return false;
-  }
-
-  void require_open() const {
-    if (!store_) throw user_error("the optimizer's NVMe state was closed");
-  }
-
-  std::mutex mutex_;  // one step, read or write at a time (taken with the GIL released)
-  std::unique_ptr<block_store> store_;
-  std::unique_ptr<streamed_state> state_;  // over *store_
-  std::vector<slot_record> slots_;
-  std::size_t attempts_ = 0;
-  std::uint64_t host_memory_ = 0;
-  std::string nvme_dir_;
+  std::vector<bool> has_master_;  // per slot: it is bf16/fp16 and keeps an fp32 master
 };
 
 }  // namespace
 
 void bind_offloaded_adam(nb::module_& m) {
-  nb::class_<offloaded_adam>(m, "OffloadedAdam",
+  nb::class_<offloaded_adam> c(m, "OffloadedAdam",
       "Adam/AdamW state (fp32 master, exp_avg, exp_avg_sq, max_exp_avg_sq) in files of the\n"
       "directory `nvme_dir` (made 0700 when missing; its parent must exist), streamed through\n"
       "a pinned host budget of `host_memory` bytes (rounded down to 4 KiB, at least 64 KiB) in\n"
       "sub-groups of a quarter of it; files are preallocated `file_size` bytes at a time and\n"
       "removed by close() or when the object is freed. Raises TierflowError (an OSError with\n"
-      "errno and filename) when the directory cannot be made or written, or the disk is full.")
-      .def(nb::init<const std::string&, const std::variant<std::uint64_t, std::string>&, std::uint64_t>(),
+      "errno and filename) when the directory cannot be made or written, or the disk is full.");
+  c.def(nb::init<const std::string&, const std::variant<std::uint64_t, std::string>&, std::uint64_t>(),
            "nvme_dir"_a, "host_memory"_a,
            "file_size"_a = 256ull << 20)
       .def("add_param", &offloaded_adam::add_param, "elements"_a, "master"_a, "amsgrad"_a,
@@ -574,27 +434,13 @@ void bind_offloaded_adam(nb::module_& m) {
       .def("stream_without_update", &offloaded_adam::stream_without_update,
            "Reads and writes back all the written state with no update (a step's I/O alone);\n"
            "returns the seconds it took.")
-      .def("save", &offloaded_adam::save, "directory"_a,
-           "Writes every state block into tierflow's crash-safe checkpoint in `directory`\n"
-           "(manifest.json and blocks-<n>.bin, checksummed), through the host budget; returns\n"
-           "its generation.")
-      .def("load", &offloaded_adam::load, "directory"_a, "generation"_a,
-           "Restores checkpoint `generation` of `directory` (written by save() of an optimizer\n"
-           "of the same layout) into the state, through the host budget; refuses (nothing\n"
-           "changed) another generation, a corrupt checkpoint or one of other blocks.")
       .def("layout", &offloaded_adam::layout, "Per slot: (elements, has a master, its state keys).")
       .def("fresh_chunks", &offloaded_adam::fresh_chunks, "slot"_a, "key"_a,
            "Per chunk of state `key` of `slot`: whether it was never written.")
       .def("set_fresh_chunks", &offloaded_adam::set_fresh_chunks, "slot"_a, "key"_a, "fresh"_a,
            "Declares which chunks of state `key` of `slot` were never written (after load()).")
-      .def("close", &offloaded_adam::close, "Flushes, then removes the state's files. Idempotent.")
-      .def("telemetry", &offloaded_adam::telemetry, "The store's counters, per tier and link.")
-      .def_prop_ro("host_memory", &offloaded_adam::host_memory)
-      .def_prop_ro("sub_group_bytes", &offloaded_adam::sub_group_bytes)
-      .def_prop_ro("nvme_bytes", &offloaded_adam::nvme_bytes)
-      .def_prop_ro("nvme_dir", &offloaded_adam::nvme_dir)
-      .def_prop_ro("closed", &offloaded_adam::closed)
-      .def_prop_ro("slot_count", &offloaded_adam::slot_count);
+      .def_prop_ro("sub_group_bytes", &offloaded_adam::sub_group_bytes);
+  def_offloaded_state(c);
 }
 
 }  // namespace tierflow::python
