@@ -287,7 +287,129 @@ def _check_offload(offload: Any, nvme_dir: Any, host_memory: Any) -> None:
         raise ValueError(f"Invalid host_memory: {host_memory} (at least {_MIN_HOST_MEMORY} bytes)")
 
 
-class Adam(Optimizer):
+class _NvmeState:
+    """What Adam and Muon share with offload="nvme": the store ``self._nvme``
+    (``_NVME_CLASS``: _core.OffloadedAdam or _core.OffloadedMuon; None with
+    offload="cpu") and each parameter's slot in it, ``self._slots``. It
+    makes and fills the store, gives its properties, :meth:`telemetry` and
+    :meth:`close`, and carries its state through save_state/load_state,
+    pickling and state_dict. The optimizer says what its state is:
+    ``_nvme_bytes(p, group)`` (the bytes of p's state),
+    ``_add_nvme_param(p, group)`` (registers p, returns its slot),
+    ``_read_state(p, group)`` / ``_write_state(p, saved)`` (p's state as
+    torch tensors, from and to the store), ``_layout()`` and
+    ``_fresh_chunks()`` (what save_state keeps of the store's blocks)."""
+
+    _NVME_CLASS: Any  # the extension class of the store, set by each optimizer
+
+    def _open_nvme(self, nvme_dir: str, host_memory: int | str | None) -> None:
+        """Makes the store and preallocates every parameter's state, with
+        _nvme_sizes' defaults for the budget and the file size."""
+        total = sum(self._nvme_bytes(p, g) for g in self.param_groups for p in g["params"])
+        host_memory, file_size = _nvme_sizes(total, host_memory)
+        self._nvme = self._NVME_CLASS(nvme_dir, host_memory, file_size)
+        for group in self.param_groups:
+            self._register(group)
+
+    def _register(self, group: dict[str, Any]) -> None:
+        """Registers the group's parameters in the store: all or none."""
+        added = []
+        try:
+            for p in group["params"]:
+                self._slots[p] = self._add_nvme_param(p, group)
+                added.append(p)
+        except BaseException:
+            for p in added:
+                del self._slots[p]
+            raise
+
+    @property
+    def nvme_dir(self) -> str | None:
+        """The directory of the state's files (offload="nvme"), else None."""
+        return None if self._nvme is None else self._nvme.nvme_dir
+
+    @property
+    def host_memory(self) -> int | None:
+        """The host budget the state streams through, in bytes (offload="nvme"), else None."""
+        return None if self._nvme is None else self._nvme.host_memory
+
+    def telemetry(self) -> dict | None:
+        """With offload="nvme", the store's counters: per tier its budget, use
+        and high-water mark (``tiers[k]["high_water_bytes"]``), per link the
+        bytes moved; None with offload="cpu"."""
+        return None if self._nvme is None else self._nvme.telemetry()
+
+    def close(self) -> None:
+        """With offload="nvme", writes nothing more, removes the state's files
+        and frees the host budget: the optimizer cannot step or give its state
+        afterwards (take :meth:`state_dict` first to keep it). Freeing the
+        optimizer does the same. Does nothing with offload="cpu"."""
+        if self._nvme is not None:
+            self._nvme.close()
+
+    def _pickle_nvme(self, own: dict[str, Any]) -> None:
+        """Puts into ``own`` (the pickle's tierflow part) what makes the store
+        again, and the state itself: a copy or a pickle carries it."""
+        if self._nvme is not None:
+            own["nvme_dir"], own["host_memory"] = self._nvme.nvme_dir, self._nvme.host_memory
+            own["nvme_state"] = {p: self._read_state(p, g) for g in self.param_groups
+                                 for p in g["params"] if p in self.state}
+
+    def _unpickle_nvme(self, own: dict[str, Any]) -> None:
+        """Makes the store again from what _pickle_nvme put into ``own``
+        (self.offload set first), and writes the state into it."""
+        self._nvme, self._slots = None, {}
+        if self.offload == "nvme":
+            self._open_nvme(own["nvme_dir"], own["host_memory"])
+            for p, saved in own["nvme_state"].items():
+                self._write_state(p, saved)
+
+    def _save_nvme(self, directory: str | os.PathLike) -> None:
+        """save_state(): the blocks into the checkpoint in ``directory``, then
+        what self.state holds, the layout and the fresh chunks into
+        ``optimizer.pt`` beside it, replaced whole."""
+        if self._nvme is None:
+            raise ValueError("save_state: the state is not on NVMe (offload='cpu'); torch.save(state_dict()) saves it")
+        directory = os.fspath(directory)
+        own = {"layout": self._layout(), "fresh": self._fresh_chunks()}
+        own["generation"] = self._nvme.save(directory)
+        meta = Optimizer.state_dict(self)  # param groups and what self.state holds (steps, masters)
+        meta["tierflow"] = own
+        path = os.path.join(directory, "optimizer.pt")
+        torch.save(meta, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def _load_nvme(self, directory: str | os.PathLike, layout: str) -> tuple[dict[str, Any], Any]:
+        """load_state(): checks that ``directory`` holds this optimizer's
+        layout (``layout`` names what makes it, for the message) and restores
+        the blocks; returns optimizer.pt's state_dict, for the optimizer to
+        load, and the fresh chunks saved."""
+        if self._nvme is None:
+            raise ValueError("load_state: the state is not on NVMe (offload='cpu'); use load_state_dict()")
+        directory = os.fspath(directory)
+        meta = torch.load(os.path.join(directory, "optimizer.pt"), weights_only=True)
+        own = meta.pop("tierflow")
+        if own["layout"] != self._layout():
+            raise ValueError(f"load_state: {directory} holds the state of another layout ({layout}): saved "
+                             f"{own['layout']['host_memory']} bytes of host_memory and "
+                             f"{len(own['layout']['state'])} parameters, this optimizer "
+                             f"{self._nvme.host_memory} and {self._nvme.slot_count}")
+        self._nvme.load(directory, own["generation"])
+        return meta, own["fresh"]
+
+    def _merge_nvme_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """torch's ``state_dict`` with each stepped parameter's state read
+        from NVMe into it."""
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if index in state_dict["state"]:  # (the dict torch packs is self.state[p] itself)
+                    state_dict["state"][index] = {**state_dict["state"][index], **self._read_state(p, group)}
+                index += 1
+        return state_dict
+
+
+class Adam(_NvmeState, Optimizer):
     r"""torch.optim.Adam with its step in tierflow's fused CPU kernel, and its
     state in host memory or on NVMe.
 
@@ -500,60 +622,20 @@ class Adam(Optimizer):
         if offload == "nvme":
             self._open_nvme(os.fspath(nvme_dir), host_memory)
 
-    def _open_nvme(self, nvme_dir: str, host_memory: int | str | None) -> None:
-        """Makes the store and preallocates every parameter's state."""
-        total = sum(_state_bytes(p, g["amsgrad"]) for g in self.param_groups for p in g["params"])
-        host_memory, file_size = _nvme_sizes(total, host_memory)
-        self._nvme = _core.OffloadedAdam(nvme_dir, host_memory, file_size)
-        for group in self.param_groups:
-            self._register(group)
+    _NVME_CLASS = _core.OffloadedAdam
 
-    def _register(self, group: dict[str, Any]) -> None:
-        """Registers the group's parameters in the store: all or none."""
-        added = []
-        try:
-            for p in group["params"]:
-                self._slots[p] = self._nvme.add_param(p.numel(), p.dtype in _LOW_PRECISION,
-                                                      bool(group["amsgrad"]))
-                added.append(p)
-        except BaseException:
-            for p in added:
-                del self._slots[p]
-            raise
+    def _nvme_bytes(self, p: Tensor, group: dict[str, Any]) -> int:
+        return _state_bytes(p, group["amsgrad"])
 
-    @property
-    def nvme_dir(self) -> str | None:
-        """The directory of the state's files (offload="nvme"), else None."""
-        return None if self._nvme is None else self._nvme.nvme_dir
-
-    @property
-    def host_memory(self) -> int | None:
-        """The host budget the state streams through, in bytes (offload="nvme"), else None."""
-        return None if self._nvme is None else self._nvme.host_memory
-
-    def telemetry(self) -> dict | None:
-        """With offload="nvme", the store's counters: per tier its budget, use
-        and high-water mark (``tiers[k]["high_water_bytes"]``), per link the
-        bytes moved; None with offload="cpu"."""
-        return None if self._nvme is None else self._nvme.telemetry()
-
-    def close(self) -> None:
-        """With offload="nvme", writes nothing more, removes the state's files
-        and frees the host budget: the optimizer cannot step or give its state
-        afterwards (take :meth:`state_dict` first to keep it). Freeing the
-        optimizer does the same. Does nothing with offload="cpu"."""
-        if self._nvme is not None:
-            self._nvme.close()
+    def _add_nvme_param(self, p: Tensor, group: dict[str, Any]) -> int:
+        return self._nvme.add_param(p.numel(), p.dtype in _LOW_PRECISION, bool(group["amsgrad"]))
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         own = {"offload": self.offload, "threads": self.threads, "skip_nonfinite": self.skip_nonfinite,
                "state_dtype": self.state_dtype,
                "skipped_steps": self.skipped_steps, "last_step_skipped": self.last_step_skipped}
-        if self._nvme is not None:  # a copy or a pickle carries the state itself
-            own["nvme_dir"], own["host_memory"] = self._nvme.nvme_dir, self._nvme.host_memory
-            own["nvme_state"] = {p: self._read_state(p, g) for g in self.param_groups
-                                 for p in g["params"] if p in self.state}
+        self._pickle_nvme(own)
         state["tierflow"] = own
         return state
 
@@ -578,11 +660,7 @@ class Adam(Optimizer):
             self.skipped_steps = own.get("skipped_steps", 0)
             self.last_step_skipped = own.get("last_step_skipped", False)
             self._executor = _core.Executor(self.threads)
-            self._nvme, self._slots = None, {}
-            if self.offload == "nvme":
-                self._open_nvme(own["nvme_dir"], own["host_memory"])
-                for p, saved in own["nvme_state"].items():
-                    self._write_state(p, saved)
+            self._unpickle_nvme(own)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -642,6 +720,11 @@ class Adam(Optimizer):
                 "slots": [self._slots[p] for g in self.param_groups for p in g["params"]],
                 "state": [list(entry) for entry in self._nvme.layout()]}
 
+    def _fresh_chunks(self) -> dict[int, dict[str, list[bool]]]:
+        """Per slot and state key: which of its chunks were never written."""
+        return {slot: {key: self._nvme.fresh_chunks(slot, key) for key in keys}
+                for slot, (_, _, keys) in enumerate(self._nvme.layout())}
+
     def save_state(self, directory: str | os.PathLike) -> None:
         """With offload="nvme", saves the optimizer into ``directory`` (made
         0700 when missing) without reading its state into RAM: every block of
@@ -653,18 +736,7 @@ class Adam(Optimizer):
         with the same parameters, ``host_memory`` and amsgrad resumes it. A
         save interrupted by a crash is refused by load_state (its two parts'
         generations differ). With offload="cpu", ``torch.save(state_dict())``."""
-        if self._nvme is None:
-            raise ValueError("save_state: the state is not on NVMe (offload='cpu'); torch.save(state_dict()) saves it")
-        directory = os.fspath(directory)
-        own = {"layout": self._layout(),
-               "fresh": {slot: {key: self._nvme.fresh_chunks(slot, key) for key in keys}
-                         for slot, (_, _, keys) in enumerate(self._nvme.layout())}}
-        own["generation"] = self._nvme.save(directory)
-        meta = Optimizer.state_dict(self)  # param_groups, and the steps: all self.state holds
-        meta["tierflow"] = own
-        path = os.path.join(directory, "optimizer.pt")
-        torch.save(meta, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        self._save_nvme(directory)
 
     def load_state(self, directory: str | os.PathLike) -> None:
         """With offload="nvme", resumes what :meth:`save_state` saved in
@@ -674,21 +746,11 @@ class Adam(Optimizer):
         host_memory or amsgrad) or an interrupted save, and
         :class:`tierflow.TierflowError` when the checkpoint is missing or
         corrupt; nothing changes then."""
-        if self._nvme is None:
-            raise ValueError("load_state: the state is not on NVMe (offload='cpu'); use load_state_dict()")
-        directory = os.fspath(directory)
-        meta = torch.load(os.path.join(directory, "optimizer.pt"), weights_only=True)
-        own = meta.pop("tierflow")
-        if own["layout"] != self._layout():
-            raise ValueError(f"load_state: {directory} holds the state of another layout (parameters, "
-                             f"host_memory or amsgrad): saved {own['layout']['host_memory']} bytes of "
-                             f"host_memory and {len(own['layout']['state'])} parameters, this optimizer "
-                             f"{self._nvme.host_memory} and {self._nvme.slot_count}")
-        self._nvme.load(directory, own["generation"])
+        meta, fresh = self._load_nvme(directory, "parameters, host_memory or amsgrad")
         Optimizer.load_state_dict(self, meta)
         for group in self.param_groups:
             _check_group(group)
-        for slot, keys in own["fresh"].items():
+        for slot, keys in fresh.items():
             for key, fresh in keys.items():
                 self._nvme.set_fresh_chunks(slot, key, fresh)
 
@@ -697,15 +759,7 @@ class Adam(Optimizer):
         from NVMe into RAM (the whole state, as fp32 tensors: mind its size;
         :meth:`save_state` saves without that)."""
         state_dict = super().state_dict()
-        if self._nvme is None:
-            return state_dict
-        index = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if index in state_dict["state"]:  # (the dict torch packs is self.state[p] itself)
-                    state_dict["state"][index] = {**state_dict["state"][index], **self._read_state(p, group)}
-                index += 1
-        return state_dict
+        return state_dict if self._nvme is None else self._merge_nvme_state(state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, except that the fp32 master and moments of a bf16/fp16

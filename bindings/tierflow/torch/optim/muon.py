@@ -23,10 +23,10 @@ from tierflow import _core
 from tierflow.torch.optim.adam import (
     _LOW_PRECISION,
     MASTER_KEY,
+    _NvmeState,
     _check_offload,
     _kernel_view,
     _master_of,
-    _nvme_sizes,
     _parse_state_dtype,
     _restore_fp32_state,
     _scalar,
@@ -170,7 +170,7 @@ def muon(
             param.copy_(copy)
 
 
-class Muon(Optimizer):
+class Muon(_NvmeState, Optimizer):
     r"""torch.optim.Muon with its step in tierflow's C++ kernel.
 
     The update, for each 2-D parameter :math:`\theta` (``rows`` x ``cols``)
@@ -307,59 +307,19 @@ class Muon(Optimizer):
         if offload == "nvme":
             self._open_nvme(os.fspath(nvme_dir), host_memory)
 
-    def _open_nvme(self, nvme_dir: str, host_memory: int | str | None) -> None:
-        """Makes the store and preallocates every parameter's momentum buffer,
-        with Adam's defaults for the budget and the file size."""
-        total = sum(p.numel() * 4 for g in self.param_groups for p in g["params"])
-        host_memory, file_size = _nvme_sizes(total, host_memory)
-        self._nvme = _core.OffloadedMuon(nvme_dir, host_memory, file_size)
-        for group in self.param_groups:
-            self._register(group)
+    _NVME_CLASS = _core.OffloadedMuon
 
-    def _register(self, group: dict[str, Any]) -> None:
-        """Registers the group's parameters in the store: all or none."""
-        added = []
-        try:
-            for p in group["params"]:
-                self._slots[p] = self._nvme.add_param(p.numel())
-                added.append(p)
-        except BaseException:
-            for p in added:
-                del self._slots[p]
-            raise
+    def _nvme_bytes(self, p: Tensor, group: dict[str, Any]) -> int:
+        return p.numel() * 4  # its fp32 momentum buffer
 
-    @property
-    def nvme_dir(self) -> str | None:
-        """The directory of the momentum buffers' files (offload="nvme"), else None."""
-        return None if self._nvme is None else self._nvme.nvme_dir
-
-    @property
-    def host_memory(self) -> int | None:
-        """The host budget the buffers stream through, in bytes (offload="nvme"), else None."""
-        return None if self._nvme is None else self._nvme.host_memory
-
-    def telemetry(self) -> dict | None:
-        """With offload="nvme", the store's counters: per tier its budget, use
-        and high-water mark (``tiers[k]["high_water_bytes"]``), per link the
-        bytes moved; None with offload="cpu"."""
-        return None if self._nvme is None else self._nvme.telemetry()
-
-    def close(self) -> None:
-        """With offload="nvme", removes the buffers' files and frees the host
-        budget: the optimizer cannot step or give its state afterwards (take
-        :meth:`state_dict` first to keep it). Freeing the optimizer does the
-        same. Does nothing with offload="cpu"."""
-        if self._nvme is not None:
-            self._nvme.close()
+    def _add_nvme_param(self, p: Tensor, group: dict[str, Any]) -> int:
+        return self._nvme.add_param(p.numel())
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         own = {"ns_dtype": self.ns_dtype, "threads": self.threads, "state_dtype": self.state_dtype,
                "offload": self.offload}
-        if self._nvme is not None:  # a copy or a pickle carries the buffers themselves
-            own["nvme_dir"], own["host_memory"] = self._nvme.nvme_dir, self._nvme.host_memory
-            own["nvme_state"] = {p: self._read_state(p) for g in self.param_groups
-                                 for p in g["params"] if p in self.state}
+        self._pickle_nvme(own)
         state["tierflow"] = own
         return state
 
@@ -372,11 +332,7 @@ class Muon(Optimizer):
             self.offload = own.get("offload", "cpu")
             self._executor = _core.Executor(self.threads)
             self._workspace = _core.MuonWorkspace()
-            self._nvme, self._slots = None, {}
-            if self.offload == "nvme":
-                self._open_nvme(own["nvme_dir"], own["host_memory"])
-                for p, saved in own["nvme_state"].items():
-                    self._write_state(p, saved)
+            self._unpickle_nvme(own)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, and then the group's hyper-parameters and parameters are
@@ -394,9 +350,11 @@ class Muon(Optimizer):
             self.param_groups.pop()
             raise
 
-    def _read_state(self, p: Tensor) -> dict[str, Tensor]:
+    def _read_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
         """p's momentum buffer from NVMe, as a torch tensor of p's shape (in
-        RAM); none when p has not stepped since its buffer was (re)started."""
+        RAM); none when p has not stepped since its buffer was (re)started.
+        (``group`` is _NvmeState's: Adam's keys depend on it, the one buffer
+        here does not.)"""
         slot = self._slots[p]
         if not self._nvme.has(slot):
             return {}
@@ -421,6 +379,10 @@ class Muon(Optimizer):
                 "slots": [self._slots[p] for g in self.param_groups for p in g["params"]],
                 "state": self._nvme.layout()}
 
+    def _fresh_chunks(self) -> list[list[bool]]:
+        """Per slot: which chunks of its buffer were never written."""
+        return [self._nvme.fresh_chunks(slot) for slot in range(self._nvme.slot_count)]
+
     def save_state(self, directory: str | os.PathLike) -> None:
         """With offload="nvme", saves the optimizer into ``directory`` (made
         0700 when missing) without reading its buffers into RAM, as
@@ -431,17 +393,7 @@ class Muon(Optimizer):
         state) into ``optimizer.pt`` beside it. :meth:`load_state` resumes it
         into an optimizer made with the same parameters and ``host_memory``.
         With offload="cpu", ``torch.save(state_dict())``."""
-        if self._nvme is None:
-            raise ValueError("save_state: the state is not on NVMe (offload='cpu'); torch.save(state_dict()) saves it")
-        directory = os.fspath(directory)
-        own = {"layout": self._layout(),
-               "fresh": [self._nvme.fresh_chunks(slot) for slot in range(self._nvme.slot_count)]}
-        own["generation"] = self._nvme.save(directory)
-        meta = Optimizer.state_dict(self)  # param groups and the masters: all self.state holds
-        meta["tierflow"] = own
-        path = os.path.join(directory, "optimizer.pt")
-        torch.save(meta, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        self._save_nvme(directory)
 
     def load_state(self, directory: str | os.PathLike) -> None:
         """With offload="nvme", resumes what :meth:`save_state` saved in
@@ -450,38 +402,20 @@ class Muon(Optimizer):
         optimizer's layout (other parameters or host_memory) or an interrupted
         save, and :class:`tierflow.TierflowError` when the checkpoint is
         missing or corrupt; nothing changes then."""
-        if self._nvme is None:
-            raise ValueError("load_state: the state is not on NVMe (offload='cpu'); use load_state_dict()")
-        directory = os.fspath(directory)
-        meta = torch.load(os.path.join(directory, "optimizer.pt"), weights_only=True)
-        own = meta.pop("tierflow")
-        if own["layout"] != self._layout():
-            raise ValueError(f"load_state: {directory} holds the state of another layout (parameters or "
-                             f"host_memory): saved {own['layout']['host_memory']} bytes of host_memory and "
-                             f"{len(own['layout']['state'])} parameters, this optimizer "
-                             f"{self._nvme.host_memory} and {self._nvme.slot_count}")
-        self._nvme.load(directory, own["generation"])
+        meta, fresh = self._load_nvme(directory, "parameters or host_memory")
         Optimizer.load_state_dict(self, meta)
         _restore_fp32_state(self, meta, (MASTER_KEY,))
         for group in self.param_groups:
             _check_group(group)
-        for slot, fresh in enumerate(own["fresh"]):
-            self._nvme.set_fresh_chunks(slot, fresh)
+        for slot, chunks in enumerate(fresh):
+            self._nvme.set_fresh_chunks(slot, chunks)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict. With offload="nvme" the momentum buffers are read
         from NVMe into RAM (fp32 tensors: mind their size; :meth:`save_state`
         saves without that)."""
         state_dict = super().state_dict()
-        if self._nvme is None:
-            return state_dict
-        index = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if index in state_dict["state"]:  # (the dict torch packs is self.state[p] itself)
-                    state_dict["state"][index] = {**state_dict["state"][index], **self._read_state(p)}
-                index += 1
-        return state_dict
+        return state_dict if self._nvme is None else self._merge_nvme_state(state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, except that the fp32 master and momentum buffer of a
