@@ -30,6 +30,15 @@ parameters DeepSpeed keeps live, ``stage3_max_live_parameters`` plus
 ``stage3_prefetch_bucket_size`` elements, capped at all of them);
 ``tierflow.host_memory`` is the whole host budget of the run, a quarter of it
 (at most) for the optimizer's stream and the rest for the parameter store.
+
+Each tier is one region and a copy in use cannot move, so the minimums are
+twice the working set: the largest module's parameters (and the persistent
+ones) on the device, the largest parameter and its gradient on the host.
+Under activation checkpointing a checkpointed segment's re-forward holds all
+of the segment's parameters until their gradients land: give the device twice
+that. (A budget that copies in use have split into pieces too small for the
+next copy makes the store wait for a release; the plan's minimums keep the
+engine clear of it.)
 """
 
 from __future__ import annotations
