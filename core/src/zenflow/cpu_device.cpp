@@ -61,16 +61,13 @@ void cpu_device::update_owned(std::size_t w, std::int64_t step) {
   const bool two = rule_.state_count() > 1;
   // Consecutive owned columns are contiguous in the parameter and in the
   // packed state: one call per run, on the parameter in place.
-  std::size_t i = 0;
-  while (i < o.columns.size()) {
-    std::size_t j = i + 1;
-    while (j < o.columns.size() && o.columns[j] == o.columns[j - 1] + 1) ++j;
-    const std::uint64_t first = o.columns[i], n = (j - i) * rows;
+  for_each_packed_run(o.columns, [&](column_run run, std::size_t i) {
+    const std::uint64_t first = run.begin, n = std::uint64_t{run.end - run.begin} * rows;
     update_args args;
     args.weight = &shape;
     args.weight_index = w;
-    args.first_column = static_cast<std::uint32_t>(first);
-    args.columns = static_cast<std::uint32_t>(j - i);
+    args.first_column = run.begin;
+    args.columns = run.end - run.begin;
     args.param = parameters_[w].subspan(first * rows, n);
     args.grad = grad.subspan(first * rows, n);
     args.state0 = std::span(o.state0).subspan(i * rows, n);
@@ -78,8 +75,7 @@ void cpu_device::update_owned(std::size_t w, std::int64_t step) {
     args.step = step;
     args.where = side::device;
     rule_.apply(args);
-    i = j;
-  }
+  });
 }
 
 std::span<const float> cpu_device::download_gradient(std::size_t w) { return gradient(w); }

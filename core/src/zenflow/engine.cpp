@@ -13,18 +13,6 @@ namespace {
 
 using clock = std::chrono::steady_clock;
 
-// Calls fn(run, position) for each run of consecutive columns in the
-// ascending `columns`, `position` being the index of its first column there.
-template <class Fn>
-void for_each_packed_run(std::span<const std::uint32_t> columns, Fn&& fn) {
-  std::size_t first = 0;
-  for (std::size_t k = 1; k <= columns.size(); ++k) {
-    if (k < columns.size() && columns[k] == columns[k - 1] + 1) continue;
-    fn(column_run{columns[first], columns[k - 1] + 1}, first);
-    first = k;
-  }
-}
-
 // The sorted columns of `a` that are not in `b` (both ascending).
 std::vector<std::uint32_t> difference(std::span<const std::uint32_t> a, std::span<const std::uint32_t> b) {
   std::vector<std::uint32_t> out;

@@ -67,16 +67,13 @@ void standin_device::update_owned(std::size_t w, std::int64_t step) {
   const std::uint64_t rows = shape.rows;
   owned& o = owned_[w];
   // Consecutive owned columns are contiguous in both layouts: one call per run.
-  std::size_t i = 0;
-  while (i < o.columns.size()) {
-    std::size_t j = i + 1;
-    while (j < o.columns.size() && o.columns[j] == o.columns[j - 1] + 1) ++j;
-    const std::uint64_t first = o.columns[i], n = (j - i) * rows;
+  for_each_packed_run(o.columns, [&](column_run run, std::size_t i) {
+    const std::uint64_t first = run.begin, n = std::uint64_t{run.end - run.begin} * rows;
     update_args args;
     args.weight = &shape;
     args.weight_index = w;
-    args.first_column = static_cast<std::uint32_t>(first);
-    args.columns = static_cast<std::uint32_t>(j - i);
+    args.first_column = run.begin;
+    args.columns = run.end - run.begin;
     args.param = std::span(o.master).subspan(i * rows, n);
     args.grad = std::span<const float>(grad_[w]).subspan(first * rows, n);
     args.state0 = std::span(o.state0).subspan(i * rows, n);
@@ -86,8 +83,7 @@ void standin_device::update_owned(std::size_t w, std::int64_t step) {
     rule_.apply(args);
     std::copy_n(o.master.begin() + static_cast<std::ptrdiff_t>(i * rows), n,
                 compute_[w].begin() + static_cast<std::ptrdiff_t>(first * rows));
-    i = j;
-  }
+  });
 }
 
 void standin_device::initialize(std::size_t w, std::span<const float> values) {

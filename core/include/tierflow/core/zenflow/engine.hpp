@@ -83,6 +83,19 @@ struct column_run {
 // The ascending runs of columns that `split` gives to the host.
 std::vector<column_run> host_runs(const column_split& split);
 
+// Calls fn(run, position) for each run of consecutive columns in the
+// ascending `columns`, `position` being the index of its first column there
+// (where the run starts in state packed column after column).
+template <class Fn>
+void for_each_packed_run(std::span<const std::uint32_t> columns, Fn&& fn) {
+  std::size_t first = 0;
+  for (std::size_t k = 1; k <= columns.size(); ++k) {
+    if (k < columns.size() && columns[k] == columns[k - 1] + 1) continue;
+    fn(column_run{columns[first], columns[k - 1] + 1}, first);
+    first = k;
+  }
+}
+
 enum class side { device, host };
 enum class granularity { columns, matrix };
 
