@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import struct
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -157,10 +157,8 @@ def _load_model(engine: "Engine", path: str) -> None:
     with open(path, "rb") as f:
         for name, item in entries:
             if engine.params is not None:
-                lease, view = engine.params.host_view(item, "overwrite") if not item.resident else (None, None)
-                if lease is None:
-                    engine.params.release(item)
-                    lease, view = engine.params.host_view(item, "overwrite")
+                engine.params.release(item)  # a resident copy would be stale once this lands
+                lease, view = engine.params.host_view(item, "overwrite")
                 try:
                     _read_into(f, base, header[name], view, path, name)
                 except BaseException:

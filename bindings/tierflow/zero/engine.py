@@ -325,7 +325,7 @@ class Engine:
             norm_sq, finite = self._norm_sq, self._finite
             for part in params.parts:  # gradients the last micro-batch did not touch
                 if not part.grad_empty and part.index not in self._norm_counted:
-                    sq, ok = _one_norm(params, part)
+                    sq, ok = params.grad_norm_sq(part)
                     norm_sq, finite = norm_sq + sq, finite and ok
             factor, go = self._clip_factor(norm_sq, finite)
         self._norm_sq, self._finite = 0.0, True
@@ -468,15 +468,6 @@ def _tiers_of(telemetry: dict) -> dict[str, dict[str, int]]:
 
 
 _UNBOUNDED = 1 << 59  # an NVMe tier made without a budget (the stores' 2**60)
-
-
-def _one_norm(params: ParamStore, part: Partition) -> tuple[float, bool]:
-    lease = params._lease(part.grad_block, "host", "read")
-    try:
-        sq = float(torch.linalg.vector_norm(params._grad_view(lease, part), dtype=torch.float64)) ** 2
-    finally:
-        params._unlease(lease, dirty=False)
-    return sq, math.isfinite(sq)
 
 
 def _with_budgets(plan: Plan, given: Plan) -> Plan:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -39,7 +39,7 @@ class Partition:
     """One parameter in the store: its blocks, its shape and where it is now."""
 
     __slots__ = ("param", "name", "index", "shape", "dtype", "numel", "nbytes", "block", "grad_block",
-                 "persistent", "lease", "grad_empty", "placeholder", "requires_grad", "hook")
+                 "persistent", "lease", "grad_empty", "placeholder", "requires_grad")
 
     def __init__(self, param: torch.nn.Parameter, name: str, index: int, persistent: bool) -> None:
         self.param = param
@@ -56,7 +56,6 @@ class Partition:
         self.lease: Any = None      # the device lease while resident
         self.grad_empty = True      # no gradient accumulated since the last step
         self.placeholder = _placeholder(param)
-        self.hook: Any = None
 
     @property
     def resident(self) -> bool:
@@ -64,6 +63,12 @@ class Partition:
 
     def __repr__(self) -> str:
         return f"Partition({self.name!r}, {list(self.shape)}, {self.dtype}, resident={self.resident})"
+
+
+def _norm_sq(t: torch.Tensor) -> tuple[float, bool]:
+    """``t``'s squared L2 norm (accumulated in fp64) and whether it is finite."""
+    sq = float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+    return sq, math.isfinite(sq)
 
 
 def _placeholder(param: torch.Tensor) -> torch.Tensor:
@@ -260,10 +265,7 @@ class ParamStore:
                     view.copy_(grad)
                 else:
                     view.add_(grad.to(torch.float32))
-                sq, finite = 0.0, True
-                if norm:
-                    sq = float(torch.linalg.vector_norm(view, dtype=torch.float64).item()) ** 2
-                    finite = math.isfinite(sq)
+                sq, finite = _norm_sq(view) if norm else (0.0, True)
         except BaseException:
             self._unlease(lease, dirty=False)
             raise
@@ -271,20 +273,14 @@ class ParamStore:
         part.grad_empty = False
         return sq, finite
 
-    def grad_norm_sq(self) -> tuple[float, bool]:
-        """The squared L2 norm of every accumulated gradient (one read of each)."""
-        total, finite = 0.0, True
-        for part in self.parts:
-            if part.grad_block < 0 or part.grad_empty:
-                continue
-            lease = self._lease(part.grad_block, "host", "read")
-            try:
-                sq = float(torch.linalg.vector_norm(self._grad_view(lease, part), dtype=torch.float64).item()) ** 2
-            finally:
-                self._unlease(lease, dirty=False)
-            total += sq
-            finite = finite and math.isfinite(sq)
-        return total, finite
+    def grad_norm_sq(self, part: Partition) -> tuple[float, bool]:
+        """The squared L2 norm of ``part``'s accumulated gradient (one read of
+        its block) and whether it is finite."""
+        lease = self._lease(part.grad_block, "host", "read")
+        try:
+            return _norm_sq(self._grad_view(lease, part))
+        finally:
+            self._unlease(lease, dirty=False)
 
     def clear_grads(self) -> None:
         for part in self.parts:
