@@ -15,6 +15,14 @@ A save is written into a hidden sibling directory, synced, and renamed into
 place; ``latest`` is replaced the same way after it. A save killed at any
 point leaves the previous tag and ``latest`` as they were.
 
+With several data-parallel ranks every rank calls :func:`save` and
+:func:`load` (as in DeepSpeed): ``model.safetensors`` holds the full
+parameters, gathered from the ranks' shards and written by rank 0 (so any
+number of ranks, or a plain torch model, can load it), each rank writes its
+optimizer shard as ``optimizer.rank<r>.pt`` (or ``optimizer.rank<r>/``), and
+rank 0 moves the tag into place once every rank has written its part. A rank
+that fails makes every rank raise.
+
 The safetensors files are written here rather than by the ``safetensors``
 package: its writer takes every tensor in memory at once, and a parameter
 that lives on NVMe must be streamed.
@@ -22,6 +30,7 @@ that lives on NVMe must be streamed.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -140,11 +149,26 @@ def _values(engine: "Engine", entries: list[tuple[str, Any]], dtype_of: Any) -> 
             yield dtype_of(item, item.detach().cpu())
 
 
+def _write_on_rank0(engine: "Engine", path: str, shapes: list, values: Iterator[torch.Tensor]) -> None:
+    """Rank 0 writes the safetensors file; every rank draws ``values`` to the
+    end, since drawing a sharded parameter gathers it from all of them (a
+    write that fails still draws the rest, so no rank waits for ever)."""
+    if engine.group.rank != 0:
+        for _ in values:
+            pass
+        return
+    try:
+        write_safetensors(path, shapes, values, {"format": "pt", "producer": "tierflow"})
+    except BaseException:
+        for _ in values:
+            pass
+        raise
+
+
 def _save_model(engine: "Engine", path: str) -> None:
     entries = _model_entries(engine)
     shapes = [(n, tuple(x.shape), x.dtype) for n, x in entries]
-    write_safetensors(path, shapes, _values(engine, entries, lambda item, t: t),
-                      {"format": "pt", "producer": "tierflow"})
+    _write_on_rank0(engine, path, shapes, _values(engine, entries, lambda item, t: t))
 
 
 def _load_model(engine: "Engine", path: str) -> None:
@@ -178,44 +202,77 @@ def _optimizer_on_nvme(engine: "Engine") -> bool:
     return getattr(engine.optimizer, "offload", "cpu") == "nvme"
 
 
+def _optimizer_path(engine: "Engine", tag_dir: str) -> str:
+    """This rank's optimizer file (or directory, state on NVMe) in ``tag_dir``."""
+    name = "optimizer" if engine.group.world_size == 1 else f"optimizer.rank{engine.group.rank}"
+    return os.path.join(tag_dir, name if _optimizer_on_nvme(engine) else name + ".pt")
+
+
+def _agree(engine: "Engine", error: BaseException | None, what: str, path: str) -> None:
+    """Raises on every rank when any rank failed: its own error, or one naming ``path``."""
+    if engine.group.agree(error is None):
+        return
+    if error is not None:
+        raise error
+    raise OSError(errno.EIO, f"{what}: another rank failed writing {path}", path)
+
+
 def save(engine: "Engine", save_dir: str, tag: str | None, client_state: dict, save_latest: bool) -> str:
     tag = tag or f"global_step{engine.global_steps}"
     if not tag or "/" in tag or tag.startswith("."):
         raise ValueError(f"tag: {tag!r} is not a directory name")
-    os.makedirs(save_dir, exist_ok=True)
     final = os.path.join(save_dir, tag)
     partial = os.path.join(save_dir, f".{tag}.partial")
-    shutil.rmtree(partial, ignore_errors=True)  # what an earlier interrupted save left
+    rank0 = engine.group.rank == 0
+    error: BaseException | None = None
+    if rank0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)  # what an earlier interrupted save left
+            os.makedirs(partial)
+        except OSError as e:
+            error = e
+    _agree(engine, error, "save_checkpoint", partial)
     try:
         _save_into(engine, partial, client_state)
     except OSError as e:
-        shutil.rmtree(partial, ignore_errors=True)  # the space it took goes back
-        if e.filename is None:
-            raise OSError(e.errno, f"save_checkpoint: {e.strerror} writing {partial}", partial) from e
+        error = e if e.filename is not None else OSError(e.errno, f"save_checkpoint: {e.strerror} writing {partial}",
+                                                          partial)
+    except Exception as e:  # any failure, so that the other ranks hear of it rather than wait
+        error = e
+    try:
+        _agree(engine, error, "save_checkpoint", partial)
+    except Exception:
+        if rank0:
+            shutil.rmtree(partial, ignore_errors=True)  # the space it took goes back
         raise
-    # Into place: an older save of the same tag moves aside first, and goes
-    # only once the new one is there.
-    aside = os.path.join(save_dir, f".{tag}.old")
-    shutil.rmtree(aside, ignore_errors=True)
-    if os.path.exists(final):
-        os.rename(final, aside)
-    os.rename(partial, final)
-    _fsync_dir(save_dir)
-    shutil.rmtree(aside, ignore_errors=True)
-    if save_latest:
-        _write_atomic(os.path.join(save_dir, "latest"), tag.encode())
+    if rank0:
+        # Into place: an older save of the same tag moves aside first, and
+        # goes only once the new one is there.
+        _fsync_dir(partial)
+        aside = os.path.join(save_dir, f".{tag}.old")
+        shutil.rmtree(aside, ignore_errors=True)
+        if os.path.exists(final):
+            os.rename(final, aside)
+        os.rename(partial, final)
+        _fsync_dir(save_dir)
+        shutil.rmtree(aside, ignore_errors=True)
+        if save_latest:
+            _write_atomic(os.path.join(save_dir, "latest"), tag.encode())
+    engine.group.barrier()  # no rank goes on (or loads) before the tag is in place
     return final
 
 
 def _save_into(engine: "Engine", partial: str, client_state: dict) -> None:
-    os.makedirs(partial)
     if engine.params is not None:
         engine.params.flush()
     _save_model(engine, os.path.join(partial, "model.safetensors"))
     if _optimizer_on_nvme(engine):
-        engine.optimizer.save_state(os.path.join(partial, "optimizer"))
+        engine.optimizer.save_state(_optimizer_path(engine, partial))
     else:
-        _torch_save(engine.optimizer.state_dict(), os.path.join(partial, "optimizer.pt"))
+        _torch_save(engine.optimizer.state_dict(), _optimizer_path(engine, partial))
+    if engine.group.rank != 0:
+        return
     state = {
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
@@ -224,9 +281,9 @@ def _save_into(engine: "Engine", partial: str, client_state: dict) -> None:
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "client_state": client_state,
         "parameters": [(n, list(x.shape), str(x.dtype)) for n, x in _model_entries(engine)],
+        "world_size": engine.group.world_size,
     }
     _torch_save(state, os.path.join(partial, "engine.pt"))
-    _fsync_dir(partial)
 
 
 def _torch_save(obj: Any, path: str) -> None:
@@ -255,10 +312,15 @@ def load(engine: "Engine", load_dir: str, tag: str | None, load_optimizer: bool,
         raise ValueError(f"load_checkpoint: {path} holds another model's parameters (first difference: {diff})")
     _load_model(engine, os.path.join(path, "model.safetensors"))
     if load_optimizer:
+        saved_world = state.get("world_size", 1)
+        if saved_world != engine.group.world_size:
+            raise ValueError(f"load_checkpoint: {path} holds the optimizer state of {saved_world} ranks, this run has "
+                             f"{engine.group.world_size}; load it with load_optimizer_states=False (the model only) "
+                             "or with as many ranks")
         if _optimizer_on_nvme(engine):
-            engine.optimizer.load_state(os.path.join(path, "optimizer"))
+            engine.optimizer.load_state(_optimizer_path(engine, path))
         else:
-            engine.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=False))
+            engine.optimizer.load_state_dict(torch.load(_optimizer_path(engine, path), weights_only=False))
     if load_scheduler and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     if engine.scaler is not None and state["loss_scaler"] is not None:
@@ -276,30 +338,36 @@ def export(engine: "Engine", save_dir: str, filename: str, fp32: bool) -> str:
     """The model's weights as one safetensors file: the compute copies, or
     (``fp32``) the fp32 masters — a bf16/fp16 parameter's from the optimizer's
     state, made from the parameter when it has not stepped yet."""
-    os.makedirs(save_dir, exist_ok=True)
     path = os.path.join(save_dir, filename)
     entries = _model_entries(engine)
     dtype = torch.float32 if fp32 else None
     shapes = [(n, tuple(x.shape), dtype or x.dtype) for n, x in entries]
-    param_of = (lambda item: item.param) if engine.params is not None else (lambda item: item)
 
     def master(item: Any, values: torch.Tensor) -> torch.Tensor:
         if not fp32 or values.dtype == torch.float32:
             return values
-        p = param_of(item)
         if engine.params is None:
+            kept = _master_from_optimizer(engine.optimizer, item)
+            return kept if kept is not None else values.to(torch.float32)
+        # The optimizer steps this rank's values (the parameter, or its
+        # shard), and reads one it never stepped from them.
+        params, p = engine.params, item.step_param
+        local = params.group.shard_of(values.reshape(-1), item.shard_numel) if item.sharded else values
+        p.data = local
+        try:
             kept = _master_from_optimizer(engine.optimizer, p)
-        else:  # the optimizer reads a parameter it never stepped from its values
-            p.data = values
-            try:
-                kept = _master_from_optimizer(engine.optimizer, p)
-            finally:
-                p.data = item.placeholder
-        return kept if kept is not None else values.to(torch.float32)
+        finally:
+            p.data = item.step_placeholder
+        kept = kept if kept is not None else local.to(torch.float32)
+        return params.group.gather(kept.reshape(-1))[: item.numel].view(item.shape) if item.sharded else kept
 
     tmp = f"{path}.partial"
-    write_safetensors(tmp, shapes, _values(engine, entries, master), {"format": "pt", "producer": "tierflow"})
-    os.replace(tmp, path)
+    if engine.group.rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+    _write_on_rank0(engine, tmp, shapes, _values(engine, entries, master))
+    if engine.group.rank == 0:
+        os.replace(tmp, path)
+    engine.group.barrier()
     return path
 
 

@@ -28,6 +28,7 @@ import torch
 
 from tierflow.config import AUTO, AdamConfig, Config, MuonConfig, from_deepspeed
 from tierflow.zero import checkpoint as _checkpoint
+from tierflow.zero.comm import Group, current_group
 from tierflow.zero.init import mark, store_of
 from tierflow.zero.hooks import ModuleHooks, ParameterAccess, saved_tensor_hooks
 from tierflow.zero.partition import ParamStore, Partition
@@ -127,6 +128,10 @@ class Engine:
         self._closed = False
 
         self._check_optimizer()  # before anything moves: a refused config leaves the model as it was
+        self.group: Group = params.group if params is not None else current_group()
+        if self.stage != 3 and self.group.world_size > 1:
+            raise ValueError(f"zero_optimization.stage: {self.stage} over {self.group.world_size} processes; "
+                             "tierflow's data parallelism is stage 3's (give stage 3, or run one process)")
         if self.stage == 3:
             self._partition(model, params)
         elif params is not None:
@@ -156,9 +161,13 @@ class Engine:
     # ---- construction -------------------------------------------------------------------------
 
     def _partition(self, model: torch.nn.Module, params: ParamStore | None) -> None:
-        plan = make_plan(model, self.config)
+        group = self.group
+        if params is not None and group.world_size != current_group().world_size:
+            raise ValueError(f"tierflow.zero.Init: the model was built for {group.world_size} ranks, the process "
+                             f"group now has {current_group().world_size}; build it under the same group")
+        plan = make_plan(model, self.config, world_size=group.world_size)
         if params is None:
-            params = ParamStore(plan, trace=bool(getattr(self.config.tierflow, "trace", False)))
+            params = ParamStore(plan, trace=bool(getattr(self.config.tierflow, "trace", False)), group=group)
         else:  # built under zero.Init: its store's budgets must hold this model's working set
             if params.plan.device_budget < plan.minimum_device:
                 raise ValueError(f"tierflow.device_memory: {format_bytes(params.plan.device_budget)} cannot hold "
@@ -197,7 +206,22 @@ class Engine:
             if getattr(opt, name) is AUTO:
                 raise ValueError(f'optimizer.params.{name}: "auto" is unresolved; give a value')
 
+    def _stepped(self, trainable: list) -> list:
+        """What the optimizer steps for ``trainable`` (parameters, or param
+        groups): at stage 3 each partition's :attr:`~Partition.step_param` —
+        the parameter itself with one rank, this rank's flat shard with several."""
+        if self.params is None:
+            return trainable
+
+        def own(p: Any) -> Any:
+            part = self.params.part_of(p)
+            return part.step_param if part is not None else p
+
+        return [{**g, "params": [own(p) for p in g["params"]]} if isinstance(g, dict) else own(g)
+                for g in trainable]
+
     def _make_optimizer(self, trainable: list) -> torch.optim.Optimizer:
+        trainable = self._stepped(trainable)
         opt = self.config.optimizer
         threads = self.config.tierflow.threads
         z = self.config.zero
@@ -216,7 +240,8 @@ class Engine:
                                       amsgrad=opt.amsgrad, threads=threads)
         if z.offload_optimizer.device == "nvme":
             root = z.offload_optimizer.nvme_path or self.config.tierflow.nvme_dir
-            kwargs.update(offload="nvme", nvme_dir=os.path.join(root, "tierflow-optimizer"))
+            rank_dir = f"rank{self.group.rank}" if self.group.world_size > 1 else ""
+            kwargs.update(offload="nvme", nvme_dir=os.path.join(root, "tierflow-optimizer", rank_dir))
             os.makedirs(kwargs["nvme_dir"], mode=0o700, exist_ok=True)
             if self.plan is not None and self.plan.optimizer_host_budget is not None:
                 kwargs["host_memory"] = self.plan.optimizer_host_budget
@@ -327,6 +352,9 @@ class Engine:
                 if not part.grad_empty and part.index not in self._norm_counted:
                     sq, ok = params.grad_norm_sq(part)
                     norm_sq, finite = norm_sq + sq, finite and ok
+            # Each rank holds its shards' share of the global norm (and may alone overflow).
+            norm_sq, bad = params.group.sum(norm_sq if finite else 0.0, 0.0 if finite else 1.0)
+            finite = bad == 0 and math.isfinite(norm_sq)
             factor, go = self._clip_factor(norm_sq, finite)
         self._norm_sq, self._finite = 0.0, True
         self._norm_counted.clear()
@@ -369,7 +397,12 @@ class Engine:
     def no_sync(self) -> Iterator[None]:
         """DeepSpeed's context for micro-batches whose gradients are not
         reduced across ranks. With one process there is nothing to skip:
-        gradients accumulate in the store either way."""
+        gradients accumulate in the store either way. With several at stage 3
+        it is refused, as DeepSpeed refuses it: each rank keeps only its shard
+        of a gradient, so a gradient cannot wait unreduced."""
+        if self.params is not None and self.params.group.world_size > 1:
+            raise RuntimeError("no_sync: incompatible with ZeRO stage 3 over several ranks (each keeps only its "
+                               "shard of a gradient, reduced as it is made)")
         yield
 
     def train(self, mode: bool = True) -> "Engine":
@@ -399,6 +432,10 @@ class Engine:
         if self.params is not None:
             t = self.params.telemetry()
             out["tiers"] = _tiers_of(t)
+            if self.params.group.world_size > 1:  # the parameters gathered from every rank's shards
+                out["tiers"]["gathered"] = {"budget": self.params.gather_budget,
+                                            "used": self.params.gathered_bytes,
+                                            "high_water": self.params.gathered_high_water}
             out["bytes"] = {link["name"]: link["bytes"] for link in t["links"]}
             out["stall_seconds"] = t["stall_seconds"]
             out["stall_fraction"] = t["stall_seconds"] / self._busy if self._busy > 0 else 0.0
@@ -513,6 +550,9 @@ def initialize(model: torch.nn.Module | None = None, model_parameters: Iterable 
         batch = config.train_micro_batch_size_per_gpu
         if batch is AUTO:
             raise ValueError('train_micro_batch_size_per_gpu: "auto" is unresolved; give the micro-batch size')
-        loader = torch.utils.data.DataLoader(training_data, batch_size=int(batch), shuffle=True,
-                                             collate_fn=collate_fn)
+        group = engine.group
+        sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=group.world_size, rank=group.rank,
+                                                      shuffle=True) if group.world_size > 1 else None
+        loader = torch.utils.data.DataLoader(training_data, batch_size=int(batch), shuffle=sampler is None,
+                                             sampler=sampler, collate_fn=collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler

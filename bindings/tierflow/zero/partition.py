@@ -15,6 +15,18 @@ within the tiers' budgets; an iteration that departs from the recorded order
 is served on demand and re-recorded, never an error. Outside one (eval, a
 forward under ``no_grad``, a checkpoint) leases go to the store directly.
 
+With several data-parallel ranks (comm.py) each rank's blocks hold its
+shard of every parameter and gradient: :meth:`fetch` leases the shard into the
+device tier, gathers the full parameter from every rank's shard into a buffer
+of its own and ends the lease; a gradient is reduce-scattered to the rank's
+shard before it is accumulated; and the optimizer steps each rank's shards (a
+flat parameter per partition, :attr:`Partition.step_param`). The gathered
+buffers are bounded by the device budget less the device tier's share (the
+budget ÷ world_size, for the shards on their way), so a rank's device never
+holds more than ``tierflow.device_memory``. Whole-parameter reads (a
+checkpoint, ``state_dict``) gather too: every rank makes them, in the same
+order.
+
 The hooks that decide *when* to fetch and release live in hooks.py; this
 module owns the store and the bookkeeping, and is the only one that touches
 leases.
@@ -30,6 +42,7 @@ from typing import Any, Iterator
 import torch
 
 from tierflow import _core
+from tierflow.zero.comm import Group
 from tierflow.zero.plan import PAGE, Plan, format_bytes, pages
 
 __all__ = ["ParamStore", "Partition"]
@@ -39,9 +52,11 @@ class Partition:
     """One parameter in the store: its blocks, its shape and where it is now."""
 
     __slots__ = ("param", "name", "index", "shape", "dtype", "numel", "nbytes", "block", "grad_block",
-                 "persistent", "lease", "grad_empty", "placeholder", "requires_grad")
+                 "persistent", "lease", "gathered", "grad_empty", "placeholder", "requires_grad",
+                 "shard_numel", "step_param", "step_placeholder")
 
-    def __init__(self, param: torch.nn.Parameter, name: str, index: int, persistent: bool) -> None:
+    def __init__(self, param: torch.nn.Parameter, name: str, index: int, persistent: bool,
+                 shard_numel: int | None = None) -> None:
         self.param = param
         self.name = name
         self.index = index
@@ -53,13 +68,30 @@ class Partition:
         self.requires_grad = param.requires_grad
         self.block = -1
         self.grad_block = -1
-        self.lease: Any = None      # the device lease while resident
+        self.lease: Any = None      # the device lease while resident (one rank)
+        self.gathered: torch.Tensor | None = None  # the full values while resident (several ranks)
         self.grad_empty = True      # no gradient accumulated since the last step
         self.placeholder = _placeholder(param)
+        # Elements of this rank's blocks: the whole parameter with one rank;
+        # with several, its shard, stepped as a flat parameter of its own.
+        self.shard_numel = self.numel if shard_numel is None else shard_numel
+        self.step_param = param
+        self.step_placeholder = self.placeholder
+        if shard_numel is not None:
+            self.step_placeholder = torch.zeros(1, dtype=param.dtype, device=param.device).expand(shard_numel)
+            self.step_param = torch.nn.Parameter(self.step_placeholder, requires_grad=param.requires_grad)
+
+    @property
+    def sharded(self) -> bool:
+        return self.step_param is not self.param
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.shard_numel * (self.nbytes // max(1, self.numel)) if self.sharded else self.nbytes
 
     @property
     def resident(self) -> bool:
-        return self.lease is not None
+        return self.lease is not None or self.gathered is not None
 
     def __repr__(self) -> str:
         return f"Partition({self.name!r}, {list(self.shape)}, {self.dtype}, resident={self.resident})"
@@ -76,6 +108,15 @@ def _placeholder(param: torch.Tensor) -> torch.Tensor:
     ``.data`` is while the parameter lives in the store."""
     one = torch.zeros(1, dtype=param.dtype, device=param.device)
     return one.expand(param.shape) if param.dim() else one.reshape(())
+
+
+@dataclass
+class _Gathered:
+    """A whole-parameter access with several ranks (ParamStore.host_view)."""
+
+    part: Partition
+    values: torch.Tensor
+    mode: str
 
 
 @dataclass
@@ -101,8 +142,11 @@ class ParamStore:
     transfer and wait for :meth:`write_trace`.
     """
 
-    def __init__(self, plan: Plan, *, device_backend: str = "auto", trace: bool = False) -> None:
+    def __init__(self, plan: Plan, *, device_backend: str = "auto", trace: bool = False,
+                 group: Group | None = None) -> None:
         self.plan = plan
+        self.group = group or Group()
+        world = self.group.world_size
         needs_nvme = "nvme" in (plan.param_home, plan.grad_home)
         if needs_nvme and not plan.nvme_dir:
             raise ValueError("zero_optimization.offload_param.nvme_path: parameters or gradients on NVMe "
@@ -110,14 +154,21 @@ class ParamStore:
         nvme_dir = None
         if needs_nvme:
             nvme_dir = os.path.join(os.fspath(plan.nvme_dir), "tierflow-zero3")
+            if world > 1:
+                nvme_dir = os.path.join(nvme_dir, f"rank{self.group.rank}")
             os.makedirs(nvme_dir, mode=0o700, exist_ok=True)
         nvme_bytes = (plan.param_bytes if plan.param_home == "nvme" else 0) + \
                      (plan.grad_bytes if plan.grad_home == "nvme" else 0)
         # A file no larger than the blocks need; a block larger than one gets a file of its own.
         file_size = max(PAGE, min(256 << 20, pages(nvme_bytes)))
+        # One rank: the device tier holds the parameters themselves. Several:
+        # it holds the shards on their way (the budget ÷ world_size), and the
+        # gathered parameters take the rest.
+        tier_budget = plan.device_budget if world == 1 else max(PAGE, pages(plan.device_budget // world))
+        self.gather_budget = plan.device_budget if world == 1 else plan.device_budget - tier_budget
         self.store = _core.Store(plan.host_budget, nvme_dir=nvme_dir,
                                  nvme_budget=(1 << 60) if needs_nvme else 0,
-                                 device_budget=plan.device_budget, device_backend=device_backend,
+                                 device_budget=tier_budget, device_backend=device_backend,
                                  trace=trace, file_size=file_size)
         self.nvme_dir = nvme_dir
         self.scheduler = _core.PrefetchScheduler(self.store, budget_share=plan.prefetch_share,
@@ -128,6 +179,7 @@ class ParamStore:
         self._by_id: dict[int, Partition] = {}
         self._resident: dict[int, Partition] = {}  # data pointer of the device view -> partition
         self._resident_bytes = 0
+        self.gathered_high_water = 0  # bytes of gathered parameters held at once, at most
         self._scheduled: set = set()  # leases taken through the scheduler (released through it)
         self.in_iteration = False
         self.closed = False
@@ -145,15 +197,21 @@ class ParamStore:
         if param.dtype != self.plan.compute_dtype and param.is_floating_point():
             with torch.no_grad():
                 param.data = param.data.to(self.plan.compute_dtype)
-        part = Partition(param, name, len(self.parts), persistent)
+        g = self.group
+        part = Partition(param, name, len(self.parts), persistent,
+                         shard_numel=g.shard_numel(param.numel()) if g.world_size > 1 else None)
         safe = name.replace("/", "_")
-        part.block = self.store.create_block(f"{safe}.param", max(part.nbytes, 1), self.plan.param_home)
+        part.block = self.store.create_block(f"{safe}.param", max(part.shard_bytes, 1), self.plan.param_home)
         if part.requires_grad:
-            part.grad_block = self.store.create_block(f"{safe}.grad", max(part.numel * 4, 1), self.plan.grad_home)
+            part.grad_block = self.store.create_block(f"{safe}.grad", max(part.shard_numel * 4, 1),
+                                                      self.plan.grad_home)
+        values = param.data.reshape(part.shape)
+        if part.sharded:  # every rank starts from rank 0's values, as DeepSpeed broadcasts them
+            values = g.shard_of(g.broadcast(values.detach().clone()).reshape(-1), part.shard_numel)
         lease = self.store.acquire(part.block, "host", "overwrite")
         try:
             with torch.no_grad():
-                self._view(lease, part).copy_(param.data.reshape(part.shape))
+                self._local(lease, part).copy_(values)
         finally:
             lease.release(dirty=True)
         self.parts.append(part)
@@ -174,6 +232,22 @@ class ParamStore:
     def _grad_view(self, lease: Any, part: Partition) -> torch.Tensor:
         return self._bytes(lease)[: part.numel * 4].view(torch.float32).view(part.shape)
 
+    def _local(self, lease: Any, part: Partition) -> torch.Tensor:
+        """The block's values as this rank holds them: the parameter (one
+        rank), or its flat shard (several)."""
+        if not part.sharded:
+            return self._view(lease, part)
+        return self._bytes(lease)[: part.shard_bytes].view(part.dtype)
+
+    def _grad_local(self, lease: Any, part: Partition) -> torch.Tensor:
+        if not part.sharded:
+            return self._grad_view(lease, part)
+        return self._bytes(lease)[: part.shard_numel * 4].view(torch.float32)
+
+    def _full(self, part: Partition, shard: torch.Tensor) -> torch.Tensor:
+        """``part``'s full values, gathered from every rank's ``shard``."""
+        return self.group.gather(shard)[: part.numel].view(part.shape)
+
     # ---- residency on the device --------------------------------------------------------------
 
     def fetch(self, part: Partition) -> None:
@@ -181,34 +255,52 @@ class ParamStore:
         if part.lease is not None:
             return
         need = pages(part.nbytes)
-        if self._resident_bytes + need > self.plan.device_budget:
+        if self._resident_bytes + need > self.gather_budget:
             held = ", ".join(p.name for p in self._resident.values())
             raise RuntimeError(
                 f"tierflow.device_memory: {format_bytes(self.plan.device_budget)} cannot hold '{part.name}' "
                 f"({format_bytes(need)}) beside what this step holds at once ({format_bytes(self._resident_bytes)}: "
-                f"{held}); give at least {self._resident_bytes + need} bytes")
+                f"{held}); give at least {self._resident_bytes + need} bytes"
+                + (f" to the gathered parameters (the budget less its 1/{self.group.world_size} for shards)"
+                   if part.sharded else ""))
         lease = self._lease(part.block, "device", "read")
-        view = self._view(lease, part)
-        part.lease = lease
+        if part.sharded:
+            try:
+                full = self.group.gather(self._local(lease, part))
+            finally:
+                self._unlease(lease, dirty=False)
+            part.gathered = full
+            view = full[: part.numel].view(part.shape)
+        else:
+            view = self._view(lease, part)
+            part.lease = lease
         part.param.data = view
         self._resident[view.untyped_storage().data_ptr()] = part
         self._resident_bytes += need
+        self.gathered_high_water = max(self.gathered_high_water, self._resident_bytes)
 
     def release(self, part: Partition) -> None:
         """Ends ``part``'s residency: ``.data`` is the placeholder again."""
-        lease = part.lease
-        if lease is None:
+        if not part.resident:
             return
+        lease = part.lease
         self._resident.pop(part.param.data.untyped_storage().data_ptr(), None)
         part.param.data = part.placeholder
         part.lease = None
+        part.gathered = None
         self._resident_bytes -= pages(part.nbytes)
-        self._unlease(lease, dirty=False)
+        if lease is not None:
+            self._unlease(lease, dirty=False)
 
     def release_all(self, *, keep_persistent: bool) -> None:
         for part in list(self._resident.values()):
             if not (keep_persistent and part.persistent):
                 self.release(part)
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of parameters resident on the device now (gathered, with several ranks)."""
+        return self._resident_bytes
 
     def resident_part(self, tensor: torch.Tensor) -> Partition | None:
         """The partition whose device memory ``tensor`` views, if any."""
@@ -256,10 +348,12 @@ class ParamStore:
         """Adds ``grad`` into ``part``'s fp32 gradient block (the first
         micro-batch since a step overwrites it). With ``norm``, returns the
         accumulated gradient's squared L2 norm and whether it is all finite."""
+        if part.sharded:  # this rank's shard of the mean over the ranks
+            grad = self.group.reduce_scatter_mean(grad.reshape(-1), part.shard_numel)
         mode = "overwrite" if part.grad_empty else "write"
         lease = self._lease(part.grad_block, "host", mode)
         try:
-            view = self._grad_view(lease, part)
+            view = self._grad_local(lease, part)
             with torch.no_grad():
                 if part.grad_empty:
                     view.copy_(grad)
@@ -275,10 +369,10 @@ class ParamStore:
 
     def grad_norm_sq(self, part: Partition) -> tuple[float, bool]:
         """The squared L2 norm of ``part``'s accumulated gradient (one read of
-        its block) and whether it is finite."""
+        its block; this rank's shard) and whether it is finite."""
         lease = self._lease(part.grad_block, "host", "read")
         try:
-            return _norm_sq(self._grad_view(lease, part))
+            return _norm_sq(self._grad_local(lease, part))
         finally:
             self._unlease(lease, dirty=False)
 
@@ -305,33 +399,60 @@ class ParamStore:
 
     # ---- whole-parameter access (checkpoints, GatheredParameters, state_dict) ------------------
 
-    def read(self, part: Partition) -> torch.Tensor:
-        """A CPU copy of ``part``'s values."""
+    def read_local(self, part: Partition) -> torch.Tensor:
+        """A CPU copy of this rank's values of ``part`` (all of them with one rank)."""
         lease = self._lease(part.block, "host", "read")
         try:
-            return self._view(lease, part).clone()
+            return self._local(lease, part).clone()
         finally:
             self._unlease(lease, dirty=False)
 
+    def read(self, part: Partition) -> torch.Tensor:
+        """A CPU copy of ``part``'s full values (gathered from every rank:
+        each calls it, in the same order)."""
+        local = self.read_local(part)
+        return self._full(part, local) if part.sharded else local
+
     def host_view(self, part: Partition, mode: str) -> tuple[Any, torch.Tensor]:
-        """A host lease of ``part``'s block and its values (end it with :meth:`end_host`)."""
-        lease = self._lease(part.block, "host", mode)
-        return lease, self._view(lease, part)
+        """``part``'s full values in host memory and a token to end the access
+        with :meth:`end_host`. One rank: a host lease of the block, no copy.
+        Several: a gathered copy ("overwrite": not gathered, every rank taken
+        to write the same values) whose ending writes this rank's shard back —
+        rank 0's values, broadcast, after a "write"."""
+        if not part.sharded:
+            lease = self._lease(part.block, "host", mode)
+            return lease, self._view(lease, part)
+        full = torch.empty(part.shape, dtype=part.dtype) if mode == "overwrite" else self.read(part)
+        return _Gathered(part, full, mode), full
 
     def end_host(self, lease: Any, dirty: bool) -> None:
-        self._unlease(lease, dirty)
+        if not isinstance(lease, _Gathered):
+            self._unlease(lease, dirty)
+            return
+        if dirty:
+            values = lease.values
+            if lease.mode == "write":
+                values = self.group.broadcast(values.detach().clone())
+            self.write(lease.part, values)
 
     def write(self, part: Partition, values: torch.Tensor) -> None:
-        """Replaces ``part``'s values (the device copy, if resident, first)."""
+        """Replaces ``part``'s values (the device copy, if resident, first);
+        with several ranks each keeps its shard of ``values``."""
         self.release(part)
+        if part.sharded:
+            values = self.group.shard_of(values.reshape(-1), part.shard_numel)
         lease = self._lease(part.block, "host", "overwrite")
         try:
             with torch.no_grad():
-                self._view(lease, part).copy_(values.reshape(part.shape))
+                self._local(lease, part).copy_(values.reshape(self._local_shape(part)))
         except BaseException:
             self._unlease(lease, dirty=False)
             raise
         self._unlease(lease, dirty=True)
+
+    @staticmethod
+    def _local_shape(part: Partition) -> tuple[int, ...]:
+        return (part.shard_numel,) if part.sharded else part.shape
 
     # ---- reporting ----------------------------------------------------------------------------
 
@@ -380,14 +501,15 @@ class _Stepping:
                 pl = o._lease(part.block, "host", "write")
                 gl = o._lease(part.grad_block, "host", "write")
                 self.leases.append((pl, gl))
-                part.param.data = o._view(pl, part)
-                grad = o._grad_view(gl, part)
+                p = part.step_param
+                p.data = o._local(pl, part)
+                grad = o._grad_local(gl, part)
                 if self.grad_scale != 1.0:
                     grad.mul_(self.grad_scale)
                 # torch wants a gradient of the parameter's dtype: a bf16/fp16
                 # parameter steps its fp32 master from the accumulated fp32
                 # gradient rounded once, as torch's own bf16 training does.
-                part.param.grad = grad if part.dtype == torch.float32 else grad.to(part.dtype)
+                p.grad = grad if part.dtype == torch.float32 else grad.to(part.dtype)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -396,8 +518,9 @@ class _Stepping:
     def __exit__(self, exc_type, exc, tb) -> None:
         o = self.owner
         for part, (pl, gl) in zip(self.batch, self.leases):
-            part.param.grad = None
-            part.param.data = part.placeholder
+            p = part.step_param
+            p.grad = None
+            p.data = part.step_placeholder
             # The updated parameter is the newest copy (dirty) unless the step
             # failed; the consumed gradient is overwritten by the next micro-batch.
             o._unlease(pl, dirty=exc_type is None)

@@ -111,6 +111,8 @@ class Plan:
     # accesses within which a released parameter stays (stage3_max_reuse_distance).
     prefetch_share: float = 0.75
     evict_distance: int = 0
+    world_size: int = 1     # data-parallel ranks: the byte figures are one rank's shards
+
 
     def rows(self) -> list[tuple[str, str, str, str]]:
         """(what, where, bytes, note) for the table :func:`estimate_memory` prints."""
@@ -125,7 +127,8 @@ class Plan:
         ]
 
     def describe(self) -> str:
-        lines = ["tierflow ZeRO-3 memory plan"]
+        lines = ["tierflow ZeRO-3 memory plan" + (f" (one of {self.world_size} ranks: its shards)"
+                                                  if self.world_size > 1 else "")]
         width = max(len(r[0]) for r in self.rows())
         for what, where, size, note in self.rows():
             lines.append(f"  {what:<{width}}  {where:<11} {size:>10}  {note}")
@@ -175,12 +178,16 @@ def _resolved(value: Any, default: int) -> int:
     return default if value is AUTO else int(value)
 
 
-def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] | None = None) -> Plan:
-    """The plan of ``model`` under ``config`` (stage 3). ``sizes`` gives the
-    element count of parameters whose ``numel()`` does not tell it (none
-    normally: a parameter partitioned by tierflow keeps its shape). Raises
-    ValueError naming the key when a budget cannot hold the working set, with
-    the minimum that would do."""
+def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] | None = None,
+              world_size: int = 1) -> Plan:
+    """The plan of ``model`` under ``config`` (stage 3) for one of
+    ``world_size`` data-parallel ranks: each rank's host tier, NVMe files and
+    optimizer state hold its shard of every parameter (``ceil(numel /
+    world_size)`` elements), its device the gathered parameters of the module
+    at work. ``sizes`` gives the element count of parameters whose
+    ``numel()`` does not tell it (none normally: a parameter partitioned by
+    tierflow keeps its shape). Raises ValueError naming the key when a budget
+    cannot hold the working set, with the minimum that would do."""
     if config.zero.stage != 3:
         raise ValueError(f"zero_optimization.stage: {config.zero.stage}; a ZeRO-3 plan needs stage 3")
     precision = config.precision
@@ -207,11 +214,15 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
         n = sizes.get(name, p.numel())
         infos.append(ParamInfo(name, n, module_name, n <= threshold))
     persistent = {id(p) for (_, _, p), info in zip(named, infos) if info.persistent}
-    param_bytes = sum(pages(i.numel * element) for i in infos)
-    grad_bytes = sum(pages(i.numel * 4) for i in infos)
+
+    def shard(n: int) -> int:  # this rank's elements of a parameter of n
+        return n if world_size == 1 else max(1, -(-n // world_size))
+
+    param_bytes = sum(pages(shard(i.numel) * element) for i in infos)
+    grad_bytes = sum(pages(shard(i.numel) * 4) for i in infos)
     low_precision = dtype != torch.float32
     amsgrad = bool(getattr(config.optimizer, "amsgrad", False))
-    state_bytes = sum(i.numel * 4 * (2 + int(amsgrad) + int(low_precision)) for i in infos)
+    state_bytes = sum(shard(i.numel) * 4 * (2 + int(amsgrad) + int(low_precision)) for i in infos)
 
     # Each tier is one region its copies are carved from, and a copy in use
     # cannot move: the budgets hold twice what is in use at once, so the copies
@@ -222,8 +233,9 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
     device_reason = f"twice {module_name}'s parameters" + (
         f" and the {sum(i.persistent for i in infos)} persistent ones" if persistent_bytes else "")
     largest = max(infos, key=lambda i: i.numel, default=None)
-    minimum_host = 2 * (pages(largest.numel * element) + pages(largest.numel * 4)) if largest else PAGE
-    host_reason = f"twice '{largest.name}' and its gradient, stepped together" if largest else "no parameters"
+    minimum_host = 2 * (pages(shard(largest.numel) * element) + pages(shard(largest.numel) * 4)) if largest else PAGE
+    host_reason = (f"twice '{largest.name}'{' (its shard)' if world_size > 1 else ''} and its gradient, "
+                   "stepped together") if largest else "no parameters"
 
     sources: dict[str, str] = {}
     t = config.tierflow
@@ -234,8 +246,9 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
                              f"give at least {format_bytes(minimum_device)} ({minimum_device} bytes)")
     else:
         live = (z.stage3_max_live_parameters + _resolved(z.stage3_prefetch_bucket_size, 50_000_000)) * element
-        device_budget = max(minimum_device, min(param_bytes, pages(live)))
-        sources["device"] = ("all parameters" if device_budget == param_bytes
+        gathered = sum(pages(i.numel * element) for i in infos)  # every parameter whole, on one rank's device
+        device_budget = max(minimum_device, min(gathered, pages(live)))
+        sources["device"] = ("all parameters" if device_budget == gathered
                              else "stage3_max_live_parameters + stage3_prefetch_bucket_size")
 
     optimizer_host: int | None = None
@@ -275,7 +288,7 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
                 param_bytes=param_bytes, grad_bytes=grad_bytes, state_bytes=state_bytes,
                 minimum_device=minimum_device, minimum_device_reason=device_reason,
                 minimum_host=minimum_host, minimum_host_reason=host_reason, sources=sources,
-                prefetch_share=prefetch_share, evict_distance=evict_distance)
+                prefetch_share=prefetch_share, evict_distance=evict_distance, world_size=world_size)
 
 
 def scheduler_settings(z: Any, element: int, device_budget: int, mean_numel: float) -> tuple[float, int]:
@@ -292,17 +305,25 @@ def scheduler_settings(z: Any, element: int, device_budget: int, mean_numel: flo
     return share, min(distance, 1 << 30)
 
 
-def estimate_memory(model: torch.nn.Module, config: Any, *, print_table: bool = True) -> Plan:
+def estimate_memory(model: torch.nn.Module, config: Any, *, print_table: bool = True,
+                    world_size: int | None = None) -> Plan:
     """What each tier will hold for ``model`` under ``config`` (a DeepSpeed
     config's path or dict, or a :class:`~tierflow.config.Config`), before any
-    work starts: printed as a table (unless ``print_table`` is False) and
-    returned as the :class:`Plan`. Raises ValueError as :func:`tierflow.initialize`
-    would for budgets that cannot hold the working set."""
+    work starts, on one of ``world_size`` data-parallel ranks (default: the
+    process group's size, 1 without one): printed as a table (unless
+    ``print_table`` is False) and returned as the :class:`Plan`. Raises
+    ValueError as :func:`tierflow.initialize` would for budgets that cannot
+    hold the working set."""
     from tierflow.config import from_deepspeed
+    from tierflow.zero.comm import current_group
 
     if not isinstance(config, Config):
         config = from_deepspeed(config, model=model)
-    plan = make_plan(model, config)
+    if world_size is None:
+        world_size = current_group().world_size
+    elif not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: {world_size!r} (a positive int)")
+    plan = make_plan(model, config, world_size=world_size)
     if print_table:
         print(plan.describe())
     return plan

@@ -1,0 +1,148 @@
+"""One rank of a data-parallel ZeRO-3 run (``torchrun --nproc-per-node N
+zero_dp_worker.py OUT NVME``), or, imported, the same run in one process.
+
+Every micro-batch is the same global batch of ``GLOBAL_BATCH`` sequences;
+rank r trains on its slice of the rows. The losses recorded are the global
+batch's (the mean of the ranks' losses, which have equal rows), so one
+process training on the whole batch must record the same ones.
+
+The run: ``FIRST`` steps, a checkpoint, then a fresh engine that loads it
+and trains ``STEPS - FIRST`` more — the losses of both halves in one list;
+then the same model built under ``tierflow.zero.Init`` trains 2 steps.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tierflow
+
+VOCAB, D, SEQ, GLOBAL_BATCH = 64, 45, 16, 8
+STEPS, FIRST, GAS = 10, 6, 2
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.ln(x))))
+
+
+class TinyLM(nn.Module):
+    """An embedding tied to the LM head and three blocks; d = 45 gives
+    tensors of odd sizes (the LayerNorms', the biases'), whose last shard is
+    padded."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList(Block(D) for _ in range(3))
+        self.ln = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        nn.init.normal_(self.emb.weight, std=0.1)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        logits = self.head(self.ln(h))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def config(nvme: str, device_memory: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.99], "eps": 1e-8,
+                                                   "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": nvme},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+            "stage3_param_persistence_threshold": 0,
+        },
+        "tierflow": {"device_memory": device_memory, "host_memory": 4 << 20},
+    }
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(n):
+        t = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+        out.append((t[:, :-1], t[:, 1:]))
+    return out
+
+
+def run(nvme: str, checkpoint_dir: str) -> dict:
+    """The run on this process's rank (one process without a process group)."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    data = batches(STEPS * GAS)
+    device_memory = 160 << 10  # the whole model is about 170 KiB in fp32: the device holds a module's at a time
+
+    def make(built_in_store=False):
+        torch.manual_seed(0)
+        if built_in_store:  # each rank builds its shards; the values are rank 0's
+            with tierflow.zero.Init(config=config(nvme, device_memory)):
+                model = TinyLM()
+        else:
+            model = TinyLM()
+        engine, _, _, _ = tierflow.initialize(model=model, config=config(nvme, device_memory))
+        return engine
+
+    def train(engine, steps):
+        losses = []
+        for step in steps:
+            for micro in range(GAS):
+                x, y = data[step * GAS + micro]
+                loss = engine(x[rows], y[rows])
+                engine.backward(loss)
+                engine.step()
+                mean = loss.detach().clone()
+                if world > 1:
+                    torch.distributed.all_reduce(mean)
+                    mean /= world
+                losses.append(mean.item())
+        return losses
+
+    engine = make()
+    losses = train(engine, range(FIRST))
+    engine.save_checkpoint(checkpoint_dir)
+    engine.close()
+    engine = make()
+    engine.load_checkpoint(checkpoint_dir)
+    losses += train(engine, range(FIRST, STEPS))
+    state = {k: v.tolist() for k, v in engine.module.state_dict().items()}  # gathered on every rank
+    stats = engine.memory_stats()
+    try:  # refused over several ranks, as DeepSpeed refuses it at stage 3
+        with engine.no_sync():
+            no_sync = "accepted"
+    except RuntimeError as e:
+        no_sync = str(e)
+    engine.close()
+    engine = make(built_in_store=True)
+    built = train(engine, range(2))
+    engine.close()
+    return {"losses": losses, "built_in_store": built, "state": state, "tiers": stats["tiers"], "world": world, "no_sync": no_sync}
+
+
+if __name__ == "__main__":
+    out, nvme = sys.argv[1], sys.argv[2]
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    result = run(nvme, os.path.join(nvme, "checkpoints"))
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
