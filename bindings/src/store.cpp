@@ -712,7 +712,8 @@ void bind_store(nb::module_& m) {
       .def(nb::init<const store_handle&, std::size_t, std::size_t, double, std::size_t>(),
            nb::keep_alive<1, 2>(), "store"_a, "max_lookahead"_a = 64, "min_lookahead"_a = 1,
            "budget_share"_a = 0.75, "evict_distance"_a = 0,
-           "Raises ValueError unless 1 <= min_lookahead <= max_lookahead and 0 < budget_share <= 1.")
+           "budget_share 0 turns prefetch off (every access on demand). Raises ValueError unless\n"
+           "1 <= min_lookahead <= max_lookahead and 0 <= budget_share <= 1.")
       .def("set_schedule", &scheduler_handle::set_schedule, "accesses"_a,
            "Gives the iteration's accesses as (block, tier, mode) tuples, in order. Raises\n"
            "ValueError for an unknown block, tier or mode, or inside an iteration.")

@@ -25,8 +25,8 @@ prefetch_scheduler::prefetch_scheduler(block_store& store, scheduler_options opt
     : store_(store), options_(options) {
   if (options_.max_lookahead == 0 || options_.min_lookahead > options_.max_lookahead)
     throw user_error("scheduler: lookahead bounds must satisfy 1 <= min_lookahead <= max_lookahead");
-  if (!(options_.budget_share > 0 && options_.budget_share <= 1))
-    throw user_error("scheduler: budget_share must be in (0, 1]");
+  if (!(options_.budget_share >= 0 && options_.budget_share <= 1))
+    throw user_error("scheduler: budget_share must be in [0, 1]");
 }
 
 void prefetch_scheduler::set_schedule(std::vector<block_access> accesses) {

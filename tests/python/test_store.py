@@ -198,6 +198,21 @@ def test_the_scheduler_records_an_iteration_and_prefetches_the_next(tmp_path):
     assert device["high_water_bytes"] <= device["budget_bytes"]
 
 
+def test_a_scheduler_with_no_budget_share_serves_every_access_on_demand(tmp_path):
+    store = tiered_store(tmp_path)
+    blocks = [store.create_block(f"layers.{i}", 32 * KIB, home="nvme") for i in range(12)]
+    for i, b in enumerate(blocks):
+        write(store, b, np.full(32 * KIB, i, dtype=np.uint8), tier="host")
+        store.evict(b, "host")
+    store.flush()
+    scheduler = PrefetchScheduler(store, budget_share=0)
+    seen = []
+    for _ in range(3):
+        run_iteration(scheduler, blocks, list(range(12)), seen)
+    assert all(seen) and scheduler.stats["iterations"] == 3
+    assert store.telemetry()["prefetches"] == 0
+
+
 def test_the_scheduler_takes_a_given_schedule_and_refuses_misuse(tmp_path):
     store = tiered_store(tmp_path)
     a, b = store.create_block("a", 4 * KIB), store.create_block("b", 4 * KIB)
@@ -215,7 +230,7 @@ def test_the_scheduler_takes_a_given_schedule_and_refuses_misuse(tmp_path):
     with pytest.raises(ValueError, match="without begin_iteration"):
         scheduler.end_iteration()
     with pytest.raises(ValueError, match="budget_share"):
-        PrefetchScheduler(store, budget_share=0)
+        PrefetchScheduler(store, budget_share=1.5)
     with pytest.raises(ValueError, match="min_lookahead"):
         PrefetchScheduler(store, min_lookahead=5, max_lookahead=2)
 

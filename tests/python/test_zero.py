@@ -173,6 +173,22 @@ def test_the_tiers_never_exceed_their_budgets_for_a_model_four_times_the_device(
     assert stats["tiers"]["host"]["budget"] + stats["optimizer"]["tiers"]["host"]["budget"] <= size
 
 
+def test_prefetch_bucket_size_zero_turns_prefetch_off_as_in_deepspeed(tmp_path):
+    reference = torch_losses(3)
+    torch.manual_seed(0)
+    config = ds_config(tmp_path / "nvme", device_memory=model_bytes(TinyLM()) // 3)
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+    torch.manual_seed(0)
+    engine, *_ = tierflow.initialize(model=TinyLM(), config=config)
+    try:
+        losses = tierflow_losses(engine, 3)
+        stats = engine.params.telemetry()
+    finally:
+        engine.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+    assert stats["prefetches"] == 0
+
+
 def test_a_skipped_module_and_activation_checkpointing_train_on_correctly(tmp_path):
     reference = torch_losses(6, skip_at=3, checkpoint=True)
     # The re-forward of a checkpointed block holds all of the block's

@@ -45,7 +45,8 @@ struct scheduler_options {
   std::size_t max_lookahead = 64;  // accesses ahead, at most
   std::size_t min_lookahead = 1;   // at least this many, budget permitting
   // Share of a tier's budget prefetches may fill (the rest is for the blocks
-  // in use and for write-backs in flight).
+  // in use and for write-backs in flight); 0 turns prefetch off, every
+  // access then served on demand (DeepSpeed's stage3_prefetch_bucket_size 0).
   double budget_share = 0.75;
   // Evict a block after its use when its next use is further than this many
   // accesses away (0: the current lookahead).
