@@ -22,6 +22,12 @@ bool memory_tier::can_allocate(std::uint64_t bytes) const {
   return pool_.largest_free() >= bytes;
 }
 
+std::optional<std::uint64_t> memory_tier::largest_free() const {
+  const std::uint64_t within_budget = budget_.budget() - budget_.used();
+  lock_guard lock(mutex_);
+  return std::min(within_budget, pool_.largest_free());
+}
+
 tier_allocation memory_tier::allocate(std::uint64_t bytes, std::string_view block) {
   TF_ASSERT(bytes > 0 && bytes % block_alignment == 0, "an allocation not in whole pages");
   budget_.charge(bytes, block);  // throws budget_exceeded past the budget

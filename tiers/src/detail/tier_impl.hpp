@@ -33,6 +33,7 @@ class memory_tier final : public tier {
   std::uint64_t high_water() const override { return budget_.high_water(); }
   bool can_allocate(std::uint64_t bytes) const override TF_EXCLUDES(mutex_);
   tier_allocation allocate(std::uint64_t bytes, std::string_view block) override TF_EXCLUDES(mutex_);
+  std::optional<std::uint64_t> largest_free() const override TF_EXCLUDES(mutex_);
   void deallocate(const tier_allocation& allocation) noexcept override TF_EXCLUDES(mutex_);
   std::map<std::string, std::string> details() const override;
 

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <source_location>
 #include <span>
 #include <string>
@@ -107,6 +108,10 @@ class tier {
   // Throws budget_exceeded past the budget (or when no range that large is
   // free), tierflow::error when the system refuses.
   virtual tier_allocation allocate(std::uint64_t bytes, std::string_view block) = 0;
+  // The largest allocation that would succeed now, where the allocator can
+  // tell (a pooled region's largest free range within the budget); nullopt
+  // where it cannot. For messages: can_allocate() is what decides.
+  virtual std::optional<std::uint64_t> largest_free() const { return std::nullopt; }
   // Returns storage from allocate(). Never throws.
   virtual void deallocate(const tier_allocation& allocation) noexcept = 0;
 
