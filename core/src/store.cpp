@@ -1,10 +1,12 @@
 #include "tierflow/core/store.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <mutex>
 
 #include "tierflow/core/assert.hpp"
+#include "tierflow/core/units.hpp"
 
 namespace tierflow {
 
@@ -47,6 +49,12 @@ std::span<std::byte> lease::wait() {
   const auto start = std::chrono::steady_clock::now();
   // acquire: once the status leaves pending, data and error are visible.
   auto status = state_->status.load(std::memory_order_acquire);
+  if (status == detail::lease_status::pending) {
+    // In a waiting_thread store this thread's leases cannot end while it
+    // waits: the store fails a request only their release could grant now.
+    store_->begin_wait(*state_);
+    status = state_->status.load(std::memory_order_acquire);
+  }
   bool blocked = false;
   while (status == detail::lease_status::pending) {
     blocked = true;
@@ -73,7 +81,8 @@ access lease::mode() const noexcept { return state_ ? state_->mode : access::rea
 block_store::block_store(std::vector<std::unique_ptr<tier>> tiers, std::vector<link_spec> links,
                          store_options options)
     : created_at_(std::chrono::steady_clock::now()),
-      writeback_attempts_(options.writeback_attempts) {
+      writeback_attempts_(options.writeback_attempts),
+      holder_(options.holder) {
   if (writeback_attempts_ == 0)
     throw user_error("block store: writeback_attempts is 0 (at least one try is needed)");
   for (auto& t : tiers) {
@@ -298,6 +307,17 @@ void block_store::end_lease(detail::lease_state& s, dirty d) {
   drain();
 }
 
+void block_store::begin_wait(detail::lease_state& s) {
+  if (holder_ != lease_holder::waiting_thread) return;
+  lock_guard lock(mutex_);
+  if (s.status.load(std::memory_order_relaxed) != detail::lease_status::pending) return;
+  s.waited = true;
+  // Looked at again now that it is waited on: a request that was parked for
+  // room before may have become one only a release could grant.
+  schedule(s.block);
+  drain();
+}
+
 void block_store::apply_write(block_id id, tier_kind t) {
   block_record& b = record(id);
   const tier_kind home = b.desc.home;
@@ -378,10 +398,12 @@ bool block_store::try_grant(block_id id, detail::lease_state& w, bool writer_ahe
       if (blank) {
         if (!c.storage) {
           if (!make_room(w.tier, b.bytes, w.cls, false, w.requested_at)) {
-            if (auto blocked = room_blocked(w.tier, b.bytes, b.desc.name, w.requested_at))
+            if (auto blocked = room_blocked(w.tier, b.bytes, b.desc.name, w.requested_at)) {
               fail_waiters(b, w.tier, blocked, w.requested_at);
-            else
+            } else {
               space_waiters_[index_of(w.tier)].insert(id.value);
+              fail_if_held_by_leases(id, w.tier, w.requested_at);
+            }
             return false;
           }
           try {
@@ -451,8 +473,10 @@ void block_store::start_load(block_id id, tier_kind to, traffic_class cls, bool 
         ++counters_.prefetches_dropped;
       else if (auto blocked = room_blocked(to, b.bytes, b.desc.name, since))
         fail_waiters(b, to, blocked, since);  // a later request may try the write-backs again
-      else
+      else {
         space_waiters_[index_of(to)].insert(id.value);
+        fail_if_held_by_leases(id, to, since);
+      }
       return;
     }
     try {
@@ -621,6 +645,25 @@ void block_store::fail_waiters(block_record& b, tier_kind t, std::exception_ptr 
   }
 }
 
+bool block_store::waited_on(const block_record& b, tier_kind t) {
+  return std::any_of(b.waiters.begin(), b.waiters.end(), [t](const auto& w) {
+    return w->tier == t && w->waited &&
+           w->status.load(std::memory_order_relaxed) == detail::lease_status::pending;
+  });
+}
+
+void block_store::fail_waited(block_record& b, tier_kind t, std::exception_ptr error) {
+  for (auto& w : b.waiters) {
+    if (w->tier != t || !w->waited ||
+        w->status.load(std::memory_order_relaxed) != detail::lease_status::pending)
+      continue;
+    w->error = error;
+    // release: publishes `error` to the holder.
+    w->status.store(detail::lease_status::failed, std::memory_order_release);
+    w->status.notify_all();
+  }
+}
+
 // ---- room and eviction ------------------------------------------------------------
 
 bool block_store::droppable(const block_record& b, tier_kind t) const {
@@ -729,6 +772,95 @@ std::exception_ptr block_store::room_blocked(tier_kind t, std::uint64_t bytes,
                   .range(0, bytes)
                   .in_tier(std::string(name(t)))
                   .of_block(block)));
+}
+
+// Null, or the error for a request of `bytes` in `t` (for `block`, asked for
+// at `since`, make_room() having failed for it) in a waiting_thread store
+// that only the end of a lease could make room for. Each copy in `t` is
+//   - on its way to free or settle room: a transfer reads it or loads it
+//     (its completion wakes the waiters on `t`, who look again), or
+//     make_room() can drop it (clean, unleased, nobody waiting for it) or
+//     write it back (dirty, with a way home, no writer of its block, its
+//     write-back not failed since the request);
+//   - or fixed: a home copy; a dirty copy that cannot go home (its write-back
+//     failed since the request, or no link); a copy held by a lease — granted,
+//     asked for (its waiter keeps make_room() off it), or a writer of its
+//     block, whose release drops or writes it back.
+// The request never gets room when nothing is on its way, or when the fixed
+// copies leave less than `bytes` of the budget: the waiting thread holds every
+// lease, and none ends while it waits. Worked example: a 16 KiB tier holding
+// leased 4 KiB copies at 0 and 8 KiB (the one between released and dropped)
+// has 8 KiB free in two pieces; an 8 KiB request gets neither, and nothing
+// else is there to move.
+std::exception_ptr block_store::room_held_by_leases(tier_kind t, std::uint64_t bytes,
+                                                    const std::string& block,
+                                                    std::chrono::steady_clock::time_point since) const {
+  const tier& target = *tiers_[index_of(t)];
+  bool on_its_way = false;
+  std::uint64_t fixed = 0, leased_bytes = 0, home_bytes = 0, stuck_bytes = 0;
+  std::vector<const block_record*> leased;
+  for (const block_record& v : blocks_) {
+    const copy_record& c = v.copies[index_of(t)];
+    const tier_kind home = v.desc.home;
+    if (t == home) {
+      fixed += v.bytes;
+      home_bytes += v.bytes;
+    } else if (!c.storage) {
+      continue;
+    } else if (c.sources > 0 || (c.state == copy_state::loading && !c.writer)) {
+      on_its_way = true;  // a transfer in flight
+    } else if (c.readers > 0 || c.writer || has_waiter(v, t) ||
+               (c.state == copy_state::dirty && writer_active(v))) {
+      fixed += v.bytes;
+      leased_bytes += v.bytes;
+      leased.push_back(&v);
+    } else if (c.state == copy_state::valid) {
+      on_its_way = true;  // make_room() drops it
+    } else if ((v.writeback_error && v.writeback_failed_at >= since) ||
+               !links_[index_of(t)][index_of(home)]) {
+      fixed += v.bytes;
+      stuck_bytes += v.bytes;
+    } else {
+      on_its_way = true;  // make_room() writes it back, then drops it
+    }
+  }
+  if (on_its_way && fixed + bytes <= target.budget()) return nullptr;
+
+  std::string message = "block \"" + block + "\" (" + format_bytes(double(bytes)) +
+                        ") can never get room in tier " + std::string(name(t)) +
+                        " while its holder waits: budget " + format_bytes(double(target.budget())) +
+                        ", " + format_bytes(double(target.used())) + " in use";
+  if (const auto largest = target.largest_free())
+    message += ", largest free piece " + format_bytes(double(*largest));
+  if (!leased.empty()) {
+    constexpr std::size_t named = 4;  // the message stays one readable line
+    message += ", " + format_bytes(double(leased_bytes)) + " held by the leases of ";
+    for (std::size_t i = 0; i < leased.size() && i < named; ++i)
+      message += (i ? ", \"" : "\"") + leased[i]->desc.name + "\" (" +
+                 format_bytes(double(leased[i]->bytes)) + ")";
+    if (leased.size() > named) message += " and " + std::to_string(leased.size() - named) + " more";
+  }
+  if (home_bytes) message += ", " + format_bytes(double(home_bytes)) + " by home copies";
+  if (stuck_bytes)
+    message += ", " + format_bytes(double(stuck_bytes)) + " by dirty copies that cannot go home";
+  message += on_its_way ? "; the budget less those is too small for it"
+                        : "; nothing in flight or evictable will free more";
+  message += " (the store's leases are all held by the thread that waits: release one first)";
+  error_context context{"acquire"};
+  context.length = bytes;
+  context.tier = std::string(name(t));
+  context.block = block;
+  return std::make_exception_ptr(tierflow::error(EDEADLK, std::move(context), std::move(message)));
+}
+
+// In a waiting_thread store, fails the leases of `id` waited on in `t` (parked
+// for room make_room() could not make) when only a release could make it.
+void block_store::fail_if_held_by_leases(block_id id, tier_kind t,
+                                         std::chrono::steady_clock::time_point since) {
+  if (holder_ != lease_holder::waiting_thread) return;
+  block_record& b = record(id);
+  if (!waited_on(b, t)) return;
+  if (auto held = room_held_by_leases(t, b.bytes, b.desc.name, since)) fail_waited(b, t, held);
 }
 
 void block_store::settle_evictions(block_id id) {

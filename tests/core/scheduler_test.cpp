@@ -2,6 +2,7 @@
 // pinned host memory and NVMe extents on a real filesystem, real io threads.
 #include "tierflow/core/scheduler.hpp"
 
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -19,8 +20,10 @@ namespace {
 
 constexpr std::uint64_t mib = 1ull << 20;
 
-std::unique_ptr<block_store> make_test_store(const std::string& dir, std::uint64_t host_budget) {
+std::unique_ptr<block_store> make_test_store(const std::string& dir, std::uint64_t host_budget,
+                                             lease_holder holder = lease_holder::any_thread) {
   tiers::store_config c;
+  c.store.holder = holder;
   c.host = tiers::host_tier_options{.budget = host_budget, .pin = tiers::pinning::none, .touch_threads = 1};
   c.nvme = tiers::nvme_tier_options{.directory = dir + "/nvme", .budget = 256 * mib, .file_size = 64 * mib};
   return tiers::make_store(std::move(c));
@@ -132,6 +135,47 @@ TEST(Scheduler, DoesNotPrefetchWhatIsOverwritten) {
   }
   EXPECT_EQ(store->telemetry().prefetches, 0u);
   EXPECT_EQ(host_loads(), loads_before) << "an overwritten block was loaded";
+}
+
+// One thread holds every lease and asks for a block whose room only the
+// release of its own leases could make (they fragment the 16 KiB tier): the
+// acquire fails at once with EDEADLK naming them, the prefetch hint for that
+// block along the way is dropped rather than failed, and once a lease ends
+// the same access is served and the iteration goes on.
+TEST(Scheduler, ASingleHolderWhoseOwnLeasesHoldTheRoomFailsAtOnce) {
+  testing::temp_dir dir;
+  constexpr std::uint64_t page = 4096;
+  auto store = make_test_store(dir.path(), 4 * page, lease_holder::waiting_thread);
+  const auto pages = make_blocks(*store, 3, page, "p");
+  const block_id wide = make_blocks(*store, 1, 2 * page, "wide")[0];
+  prefetch_scheduler sched(*store);
+  sched.set_schedule({{pages[0]}, {pages[1]}, {pages[2]}, {wide}});
+  sched.begin_iteration();
+  lease a = sched.acquire(pages[0], tier_kind::host);
+  lease b = sched.acquire(pages[1], tier_kind::host);
+  lease c = sched.acquire(pages[2], tier_kind::host);  // hints `wide`: no room, dropped
+  EXPECT_GE(store->telemetry().prefetches_dropped, 1u);
+  sched.release(std::move(b), dirty::no);  // its copy stays cached between or beside the others
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    (void)sched.acquire(wide, tier_kind::host);
+    FAIL() << "the acquire was granted";
+  } catch (const error& e) {
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
+    EXPECT_EQ(e.errnum(), EDEADLK);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("block \"wide0\" (8.00 KiB)"), std::string::npos) << what;
+    EXPECT_NE(what.find("largest free piece 4.00 KiB"), std::string::npos) << what;
+    EXPECT_NE(what.find("\"p0\" (4.00 KiB)"), std::string::npos) << what;
+    EXPECT_NE(what.find("\"p2\" (4.00 KiB)"), std::string::npos) << what;
+  }
+  sched.release(std::move(c), dirty::no);
+  lease w = sched.acquire(wide, tier_kind::host);
+  EXPECT_EQ(w.data().size(), 2 * page);
+  sched.release(std::move(w), dirty::no);
+  sched.release(std::move(a), dirty::no);
+  sched.end_iteration();
+  store->check_invariants();
 }
 
 TEST(Scheduler, GivenScheduleIsCheckedAgainstTheStore) {

@@ -35,6 +35,9 @@ struct lease_state {
   std::span<std::byte> data;
   std::exception_ptr error;
   std::chrono::steady_clock::time_point requested_at;
+  // A thread waits on it (lease_holder::waiting_thread stores only). Written
+  // and read under the store's lock.
+  bool waited = false;
 };
 
 }  // namespace detail

@@ -80,7 +80,10 @@ class prefetch_scheduler {
   // and prefetches the first accesses.
   void begin_iteration();
   // The next access: prefetches ahead, then waits for and returns the lease
-  // (granted). Throws what the load threw, naming the block. An access that
+  // (granted). Throws what the load threw, naming the block, and, in a
+  // lease_holder::waiting_thread store, EDEADLK when only the release of a
+  // lease the caller holds could make room for it. Prefetch hints never
+  // throw: one that finds no room is not issued. An access that
   // departs from the schedule is served on demand and marks the iteration
   // for re-recording.
   lease acquire(block_id block, tier_kind where, access mode = access::read);

@@ -27,6 +27,15 @@
 // (flush, evict, an acquire of the home copy, or a lease asked for after the
 // failure that needs the room), so a broken disk costs a bounded number of
 // writes per request, never a loop.
+//
+// Who holds the leases, in one paragraph: by default any thread may release
+// a lease while another waits, so a request for room that only leases hold
+// waits for a release. A store made with lease_holder::waiting_thread is
+// promised that every lease is held by the thread that waits on it (one
+// single-threaded holder, such as a training loop): while that thread waits,
+// no lease will end, so a request that nothing but a release could make room
+// for fails at once with EDEADLK instead of waiting for ever (see
+// lease_holder).
 #pragma once
 
 #include <array>
@@ -61,6 +70,27 @@ struct link_spec {
   unsigned engines = 2;  // transfers in flight at once on this link
 };
 
+// Who ends a store's leases, which decides what a waited-for request does when
+// only the end of a lease could make room for it.
+enum class lease_holder : unsigned char {
+  // Any thread may release a lease while another thread waits on one: such a
+  // request waits, and the release grants it.
+  any_thread,
+  // Every lease (granted or asked for) is held by the thread that waits on it:
+  // while it waits, none of its leases ends. So once a lease being waited on
+  // needs room in a tier that nothing else will free — no transfer in flight
+  // touches the tier's copies, no copy there can be dropped or written back,
+  // only leased copies, home copies and dirty copies whose write-back failed
+  // occupy it — or that the copies only a release frees leave too little of
+  // the budget for, wait() throws tierflow::error with EDEADLK naming the
+  // block, its size, the tier, the budget, the bytes in use, the largest free
+  // piece (where the tier can tell) and the blocks whose leases hold the
+  // room. A request that a write-back, a load or an eviction will satisfy
+  // waits as usual, and one not waited on yet is never failed: the holder may
+  // release a lease between acquire() and wait(). Hints (prefetch) never fail.
+  waiting_thread,
+};
+
 struct store_options {
   bool trace = true;                              // record trace events
   std::size_t trace_capacity = std::size_t{1} << 20;  // events kept before dropping
@@ -71,6 +101,7 @@ struct store_options {
   // write ride out a one-off failure at the cost of two writes of the block,
   // while a failure that persists is reported within milliseconds.
   unsigned writeback_attempts = 3;
+  lease_holder holder = lease_holder::any_thread;
 };
 
 class block_store {
@@ -110,7 +141,8 @@ class block_store {
   // tier's budget is held by leases the lease waits for their release.
   // Throws budget_exceeded when the block can never fit in `where`, user_error
   // for an unknown block or tier, or when `where` is a file tier and mode is
-  // write.
+  // write. In a lease_holder::waiting_thread store, the lease's wait() throws
+  // EDEADLK when only a release of the waiting thread's leases could make room.
   lease acquire(block_id id, tier_kind where, access mode = access::read,
                 traffic_class cls = traffic_class::demand) TF_EXCLUDES(mutex_);
   // Ends a lease (granted or not). dirty::yes (write leases only, asserted)
@@ -212,12 +244,24 @@ class block_store {
   void wake_space_waiters(tier_kind t) TF_REQUIRES(mutex_);
   void drain() TF_REQUIRES(mutex_);
   void end_lease(detail::lease_state& s, dirty d) TF_EXCLUDES(mutex_);
+  // A thread is about to wait on `s` (pending): in a waiting_thread store,
+  // marks it waited for and looks at it again, failing it if only a release
+  // could grant it (see lease_holder). Does nothing in an any_thread store.
+  void begin_wait(detail::lease_state& s) TF_EXCLUDES(mutex_);
+  static bool waited_on(const block_record& b, tier_kind t);
+  void fail_waited(block_record& b, tier_kind t, std::exception_ptr error) TF_REQUIRES(mutex_);
+  std::exception_ptr room_held_by_leases(tier_kind t, std::uint64_t bytes, const std::string& block,
+                                         std::chrono::steady_clock::time_point since) const
+      TF_REQUIRES(mutex_);
+  void fail_if_held_by_leases(block_id id, tier_kind t, std::chrono::steady_clock::time_point since)
+      TF_REQUIRES(mutex_);
   void record_wait(const detail::lease_state& s, std::chrono::steady_clock::time_point start,
                    std::chrono::steady_clock::time_point end, bool blocked);
   void check_invariants_locked() const TF_REQUIRES(mutex_);
 
   const std::chrono::steady_clock::time_point created_at_;
   const unsigned writeback_attempts_;
+  const lease_holder holder_;
   std::array<std::unique_ptr<tier>, tier_count> tiers_;
   std::unique_ptr<trace_recorder> trace_;
 
