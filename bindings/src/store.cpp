@@ -293,7 +293,7 @@ class store_handle {
   store_handle(std::uint64_t host_budget, const std::optional<std::string>& nvme_dir,
                std::uint64_t nvme_budget, std::uint64_t device_budget,
                const std::string& device_backend, bool trace, bool checksums,
-               std::uint64_t file_size) {
+               std::uint64_t file_size, bool single_holder) {
     const tiers::device_backend backend = parse_backend(device_backend);
     // Options without their tier would be read and ignored: refuse them.
     if (!nvme_dir) {
@@ -313,6 +313,7 @@ class store_handle {
     if (device_budget != 0)
       config.device = tiers::device_tier_options{.budget = device_budget, .backend = backend};
     config.store.trace = trace;
+    config.store.holder = single_holder ? lease_holder::waiting_thread : lease_holder::any_thread;
     auto state = std::make_shared<store_state>();
     {
       nb::gil_scoped_release unlocked;  // maps and touches the host region, probes the directory
@@ -640,13 +641,21 @@ void bind_store(nb::module_& m) {
       "its budget. Leases and schedulers keep the store's memory alive, so it is freed when\n"
       "the last of them goes; close() ends its use.")
       .def(nb::init<std::uint64_t, const std::optional<std::string>&, std::uint64_t, std::uint64_t,
-                    const std::string&, bool, bool, std::uint64_t>(),
+                    const std::string&, bool, bool, std::uint64_t, bool>(),
            "host_budget"_a, "nvme_dir"_a = nb::none(), "nvme_budget"_a = 0, "device_budget"_a = 0,
            "device_backend"_a = "auto", "trace"_a = false, "checksums"_a = false,
-           "file_size"_a = default_file_size,
+           "file_size"_a = default_file_size, "single_holder"_a = false,
            "device_backend: 'auto' (the CUDA pool when a GPU is present, else the host stand-in),\n"
            "'cuda' (ValueError without a CUDA device) or 'stand_in' (plain host memory with the\n"
-           "device's budget). trace: record every transfer and wait for write_trace(). Raises\n"
+           "device's budget). trace: record every transfer and wait for write_trace().\n"
+           "single_holder: every lease is held by the thread that waits on it (a single-threaded\n"
+           "engine), so no lease ends while that thread waits: a Lease.wait() (or\n"
+           "PrefetchScheduler.acquire) whose copy needs room that only the release of a held lease\n"
+           "could make (leased copies fill the tier, or fragment it so the block fits no free\n"
+           "piece, and no transfer or eviction will free more) raises TierflowError with errno\n"
+           "EDEADLK naming the block, the tier, its budget, use and largest free piece, and the\n"
+           "blocks whose leases hold it, instead of waiting for ever. Without it such a wait ends\n"
+           "when another thread releases a lease. Raises\n"
            "ValueError for a zero budget, an option without its tier or an unknown backend,\n"
            "TierflowError when the host memory cannot be mapped or nvme_dir cannot be used.")
       .def("create_block", &store_handle::create_block, "name"_a, "size_bytes"_a, "home"_a = "host",

@@ -399,6 +399,41 @@ def test_bad_store_options_are_value_errors_naming_them(tmp_path):
             Store(host_budget=MIB, **options)
 
 
+def test_a_single_holder_waiting_for_room_only_its_own_leases_hold_gets_edeadlk():
+    # Pages 0, 1, 2 of a 4-page device tier leased, page 1 released: a 2-page
+    # block fits neither free page, and only the holder's own leases could
+    # make room, so its wait raises at once instead of waiting for ever.
+    store = Store(host_budget=MIB, device_budget=16 * KIB, device_backend="stand_in",
+                  single_holder=True)
+    pages = [store.create_block(f"layers.{k}.w", 4 * KIB) for k in range(3)]
+    wide = store.create_block("layers.3.w", 8 * KIB)
+    held = [store.acquire(block, "device") for block in pages]
+    for lease in held:
+        lease.wait()
+    held[1].release()
+    pending = store.acquire(wide, "device")
+    start = time.monotonic()
+    with pytest.raises(TierflowError) as raised:
+        pending.wait()
+    assert time.monotonic() - start < 1
+    error = raised.value
+    assert isinstance(error, OSError) and not isinstance(error, BudgetError)
+    assert error.errno == errno.EDEADLK
+    assert (error.block, error.tier, error.length) == ("layers.3.w", "device", 8 * KIB)
+    message = str(error)
+    assert 'block "layers.3.w" (8.00 KiB) can never get room in tier device' in message
+    assert "budget 16.00 KiB, 8.00 KiB in use, largest free piece 4.00 KiB" in message
+    assert 'held by the leases of "layers.0.w" (4.00 KiB), "layers.2.w" (4.00 KiB);' in message
+    assert "\n" not in message
+    # The request failed, not the store: once one of the leases ends, it fits.
+    pending.release()
+    held[2].release()
+    with store.acquire(wide, "device") as lease:
+        assert lease.wait().shape == (8 * KIB,)
+    held[0].release()
+    store.close()
+
+
 def test_a_lease_outlives_its_store(tmp_path):
     store = tiered_store(tmp_path)
     block = store.create_block("w", 8 * KIB)
