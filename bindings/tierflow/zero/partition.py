@@ -166,10 +166,11 @@ class ParamStore:
         # gathered parameters take the rest.
         tier_budget = plan.device_budget if world == 1 else max(PAGE, pages(plan.device_budget // world))
         self.gather_budget = plan.device_budget if world == 1 else plan.device_budget - tier_budget
+        # Hooks run one at a time, so no lease ends while one is waited on: fail such waits, never hang.
         self.store = _core.Store(plan.host_budget, nvme_dir=nvme_dir,
                                  nvme_budget=(1 << 60) if needs_nvme else 0,
                                  device_budget=tier_budget, device_backend=device_backend,
-                                 trace=trace, file_size=file_size)
+                                 trace=trace, file_size=file_size, single_holder=True)
         self.nvme_dir = nvme_dir
         self.scheduler = _core.PrefetchScheduler(self.store, budget_share=plan.prefetch_share,
                                                  evict_distance=plan.evict_distance)
