@@ -13,6 +13,17 @@ range_pool::range_pool(std::uint64_t capacity) : capacity_(capacity), free_bytes
 
 std::optional<std::uint64_t> range_pool::allocate(std::uint64_t bytes) {
   TF_ASSERT(bytes > 0);
+  if (small(bytes)) {  // the top end of the highest range that fits
+    for (auto it = free_.rbegin(); it != free_.rend(); ++it) {
+      if (it->second < bytes) continue;
+      it->second -= bytes;
+      const std::uint64_t offset = it->first + it->second;
+      if (it->second == 0) free_.erase(std::next(it).base());
+      free_bytes_ -= bytes;
+      return offset;
+    }
+    return std::nullopt;
+  }
   for (auto it = free_.begin(); it != free_.end(); ++it) {
     if (it->second < bytes) continue;
     const std::uint64_t offset = it->first;
