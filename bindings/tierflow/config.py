@@ -561,15 +561,20 @@ class TierflowOptions:
     """The optional ``tierflow`` section, for what DeepSpeed has no key for:
     the device and host memory budgets in bytes (ints, or sizes such as
     "8G"), the directory of the NVMe tier's files (used where an NVMe
-    offload names no nvme_path), the CPU threads of the optimizer step and
+    offload names no nvme_path), the CPU threads of the optimizer step,
     whether the ZeRO-3 engine records a trace of its transfers and waits
-    (``trace``, default false). None: tierflow decides."""
+    (``trace``, default false) and whether it steps each parameter during
+    the backward as soon as its gradient is final, when no clipping or fp16
+    loss scale needs every gradient first (``overlap_step``, default true;
+    false steps them all after the backward, with the same result). None:
+    tierflow decides."""
 
     device_memory: int | None = None
     host_memory: int | None = None
     nvme_dir: str | None = None
     threads: int | None = None
     trace: bool = False
+    overlap_step: bool = True
 
 
 @dataclass(frozen=True)
@@ -1430,11 +1435,13 @@ def _read_tierflow(run: _Run, top: _Section) -> TierflowOptions:
         nvme_dir=s.get("nvme_dir", optional(_text), None),
         threads=s.get("threads", optional(_whole(1, 4096)), None),
         trace=s.get("trace", _flag, False),
+        overlap_step=s.get("overlap_step", _flag, True),
     )
     # tierflow's own section has no foreign keys to carry over: a typo is an error.
     for name in s.data:
         if name not in s.taken:
-            raise ValueError(f"tierflow.{name}: unknown key (device_memory, host_memory, nvme_dir, threads, trace)")
+            raise ValueError(f"tierflow.{name}: unknown key (device_memory, host_memory, nvme_dir, threads, trace, "
+                             "overlap_step)")
     return options
 
 

@@ -456,7 +456,7 @@ BAD = [
      "optimizer.params.max_grad_norm: .* use the top-level gradient_clipping"),
     (with_("optimizer.params.bias_correction", False), "optimizer.params.bias_correction: false is not supported"),
     (with_("aio.block_size", "auto"), 'aio.block_size: "auto" is not resolved for this key'),
-    (with_("tierflow.budget", 1), r"tierflow.budget: unknown key \(device_memory, host_memory, nvme_dir, threads, trace\)"),
+    (with_("tierflow.budget", 1), r"tierflow.budget: unknown key \(device_memory, host_memory, nvme_dir, threads, trace, overlap_step\)"),
     ({"optimizer": {"type": "Adam"}}, "train_batch_size, train_micro_batch_size_per_gpu: neither is given"),
 ]
 

@@ -31,6 +31,7 @@ from tierflow.zero import checkpoint as _checkpoint
 from tierflow.zero.comm import Group, current_group
 from tierflow.zero.init import mark, store_of
 from tierflow.zero.hooks import ModuleHooks, ParameterAccess, saved_tensor_hooks
+from tierflow.zero.overlap import OverlappedStep, overlappable
 from tierflow.zero.partition import ParamStore, Partition
 from tierflow.zero.plan import Plan, format_bytes, make_plan, parameters_of
 
@@ -126,6 +127,7 @@ class Engine:
         self._norm_counted: set[int] = set()
         self._busy = 0.0  # seconds inside forward, backward and step
         self._closed = False
+        self._overlap: OverlappedStep | None = None
 
         self._check_optimizer()  # before anything moves: a refused config leaves the model as it was
         self.group: Group = params.group if params is not None else current_group()
@@ -150,6 +152,7 @@ class Engine:
                 self.params.restore_all()
                 self.params.close()
             raise
+        self._overlap = OverlappedStep(self.params, self.optimizer) if overlappable(self) else None
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
                 else lr_scheduler
@@ -292,6 +295,9 @@ class Engine:
             self._busy += time.perf_counter() - start
 
     def _on_grad(self, part: Partition, grad: torch.Tensor) -> None:
+        if self._overlap is not None and self.is_gradient_accumulation_boundary():
+            self._overlap.submit(part, grad)  # stepped now, while the backward goes on
+            return
         need = getattr(self, "_need_norm", False)
         sq, finite = self.params.accumulate_grad(part, grad, norm=need)
         if need:
@@ -359,10 +365,14 @@ class Engine:
         self._norm_sq, self._finite = 0.0, True
         self._norm_counted.clear()
         try:
+            if self._overlap is not None:
+                self._overlap.wait()  # the backward's last parameter
             if go:
                 params.release_all(keep_persistent=False)
                 # One parameter at a time (see ParamStore.step_parts); the
-                # scheduler loads the next ones' blocks meanwhile.
+                # scheduler loads the next ones' blocks meanwhile. With the
+                # step overlapped, these are the parameters the boundary's
+                # backward did not reach (a module skipped then).
                 for part in params.step_parts():
                     with params.stepping([part], factor):
                         self.optimizer.step()
@@ -489,6 +499,8 @@ class Engine:
         self._closed = True
         if self.hooks is not None:
             self.hooks.remove()
+        if self._overlap is not None:
+            self._overlap.close()
         close = getattr(self.optimizer, "close", None)
         if callable(close):
             close()

@@ -53,7 +53,7 @@ class Partition:
 
     __slots__ = ("param", "name", "index", "shape", "dtype", "numel", "nbytes", "block", "grad_block",
                  "persistent", "lease", "gathered", "grad_empty", "placeholder", "requires_grad",
-                 "shard_numel", "step_param", "step_placeholder")
+                 "shard_numel", "sharded", "step_param", "step_placeholder")
 
     def __init__(self, param: torch.nn.Parameter, name: str, index: int, persistent: bool,
                  shard_numel: int | None = None) -> None:
@@ -73,17 +73,15 @@ class Partition:
         self.grad_empty = True      # no gradient accumulated since the last step
         self.placeholder = _placeholder(param)
         # Elements of this rank's blocks: the whole parameter with one rank;
-        # with several, its shard, stepped as a flat parameter of its own.
-        self.shard_numel = self.numel if shard_numel is None else shard_numel
-        self.step_param = param
-        self.step_placeholder = self.placeholder
-        if shard_numel is not None:
-            self.step_placeholder = torch.zeros(1, dtype=param.dtype, device=param.device).expand(shard_numel)
-            self.step_param = torch.nn.Parameter(self.step_placeholder, requires_grad=param.requires_grad)
-
-    @property
-    def sharded(self) -> bool:
-        return self.step_param is not self.param
+        # with several, its shard (flat).
+        self.sharded = shard_numel is not None
+        self.shard_numel = shard_numel if self.sharded else self.numel
+        # What the optimizer steps: a parameter of its own over the host copy
+        # (of the shard's shape), never the model's, which autograd and the
+        # hooks touch meanwhile when the step overlaps the backward.
+        self.step_placeholder = (torch.zeros(1, dtype=param.dtype, device=param.device).expand(shard_numel)
+                                 if self.sharded else _placeholder(param))
+        self.step_param = torch.nn.Parameter(self.step_placeholder, requires_grad=param.requires_grad)
 
     @property
     def shard_bytes(self) -> int:
@@ -392,6 +390,45 @@ class ParamStore:
             if part.grad_block >= 0 and not part.grad_empty:
                 yield part
 
+    def lease_for_step(self, part: Partition, grad: torch.Tensor) -> "StepLease":
+        """At the accumulation boundary, for a step that overlaps the rest of
+        the backward: ``part``'s final gradient — ``grad`` (this micro-batch's;
+        reduce-scattered with several ranks) added to what its block holds, or
+        ``grad`` itself when the block holds nothing, which then never goes to
+        the store — and its host copy leased for writing. End it with
+        :meth:`end_step`."""
+        self.release(part)
+        if part.sharded:
+            grad = self.group.reduce_scatter_mean(grad.reshape(-1), part.shard_numel)
+        grad_lease = None
+        if part.grad_empty:
+            final = grad.detach()
+        else:
+            grad_lease = self._lease(part.grad_block, "host", "write")
+            try:
+                final = self._grad_local(grad_lease, part)
+                with torch.no_grad():
+                    final.add_(grad.to(device=final.device, dtype=torch.float32).reshape(final.shape))
+            except BaseException:
+                self._unlease(grad_lease, dirty=False)
+                raise
+        try:
+            param_lease = self._lease(part.block, "host", "write")
+        except BaseException:
+            if grad_lease is not None:
+                self._unlease(grad_lease, dirty=False)
+            raise
+        final = final.to(device="cpu", dtype=part.dtype)  # as _Stepping gives it (a no-op when it is so)
+        part.grad_empty = True  # consumed by this step
+        return StepLease(part, param_lease, grad_lease, self._local(param_lease, part), final)
+
+    def end_step(self, lease: "StepLease", ok: bool) -> None:
+        """Ends :meth:`lease_for_step`'s leases: the host copy is the newest
+        (dirty) when the step went through."""
+        self._unlease(lease.param_lease, dirty=ok)
+        if lease.grad_lease is not None:
+            self._unlease(lease.grad_lease, dirty=False)
+
     def stepping(self, batch: list[Partition], grad_scale: float) -> "_Stepping":
         """A context in which every parameter of ``batch`` has its host copy as
         ``.data`` (written back when it ends) and its gradient, multiplied by
@@ -487,6 +524,17 @@ class ParamStore:
         self._by_id.clear()
         self.scheduler = None
         self.store = None
+
+
+@dataclass
+class StepLease:
+    """A parameter's host copy and final gradient, leased for one optimizer step."""
+
+    part: Partition
+    param_lease: Any
+    grad_lease: Any
+    value: torch.Tensor
+    grad: torch.Tensor
 
 
 class _Stepping:
