@@ -369,13 +369,15 @@ class Engine:
                 self._overlap.wait()  # the backward's last parameter
             if go:
                 params.release_all(keep_persistent=False)
-                # One parameter at a time (see ParamStore.step_parts); the
+                # A batch of parameters at a time (ParamStore.stepping); the
                 # scheduler loads the next ones' blocks meanwhile. With the
                 # step overlapped, these are the parameters the boundary's
                 # backward did not reach (a module skipped then).
-                for part in params.step_parts():
-                    with params.stepping([part], factor):
+                parts = list(params.step_parts())
+                while parts:
+                    with params.stepping(parts, factor) as batch:
                         self.optimizer.step()
+                    parts = parts[len(batch):]
         finally:
             params.clear_grads()
             params.end_iteration()

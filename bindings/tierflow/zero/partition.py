@@ -34,6 +34,7 @@ leases.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from typing import Any, Iterator
 import torch
 
 from tierflow import _core
+from tierflow.errors import TierflowError
 from tierflow.zero.comm import Group
 from tierflow.zero.plan import PAGE, Plan, format_bytes, pages
 
@@ -382,10 +384,7 @@ class ParamStore:
     # ---- the optimizer's pass -----------------------------------------------------------------
 
     def step_parts(self) -> Iterator[Partition]:
-        """The parameters with a gradient, in order. The optimizer steps them
-        one at a time: a parameter's compute copy and gradient are the only
-        host leases held, so (with the plan's host budget of twice the largest
-        pair) they always find room, however the tier's free space lies."""
+        """The parameters with a gradient, in order (see :meth:`stepping`)."""
         for part in self.parts:
             if part.grad_block >= 0 and not part.grad_empty:
                 yield part
@@ -429,11 +428,21 @@ class ParamStore:
         if lease.grad_lease is not None:
             self._unlease(lease.grad_lease, dirty=False)
 
-    def stepping(self, batch: list[Partition], grad_scale: float) -> "_Stepping":
-        """A context in which every parameter of ``batch`` has its host copy as
-        ``.data`` (written back when it ends) and its gradient, multiplied by
-        ``grad_scale``, as ``.grad``."""
-        return _Stepping(self, batch, grad_scale)
+    def stepping(self, parts: list[Partition], grad_scale: float) -> "_Stepping":
+        """A context in which the first parameters of ``parts`` — as many as
+        half the host tier holds with their gradients, at least one — have
+        their host copies as ``.data`` (written back when it ends) and their
+        gradients, multiplied by ``grad_scale``, as ``.grad``; it gives the
+        list of those it took. One optimizer step over several parameters
+        streams their state back to back.
+
+        Copies in use cannot move, so the ones a batch holds may leave the
+        tier's free room in pieces too small for the next parameter even
+        within half the budget: the store then refuses that lease (EDEADLK,
+        a single-holder store) and the batch ends before it. The first
+        parameter always finds room, with nothing else held (the plan's host
+        budget is twice the largest pair)."""
+        return _Stepping(self, parts, grad_scale, self.plan.host_budget // 2)
 
     # ---- whole-parameter access (checkpoints, GatheredParameters, state_dict) ------------------
 
@@ -538,17 +547,45 @@ class StepLease:
 
 
 class _Stepping:
-    def __init__(self, owner: ParamStore, batch: list[Partition], grad_scale: float) -> None:
-        self.owner, self.batch, self.grad_scale = owner, batch, grad_scale
+    def __init__(self, owner: ParamStore, parts: list[Partition], grad_scale: float, cap: int) -> None:
+        self.owner, self.parts, self.grad_scale, self.cap = owner, parts, grad_scale, cap
+        self.batch: list[Partition] = []
         self.leases: list[tuple[Any, Any]] = []
+
+    def _take(self, part: Partition) -> tuple[Any, Any] | None:
+        """``part``'s host copy and gradient leased, or None when the batch
+        must end before it (the store refused the room for it)."""
+        o = self.owner
+        first = not self.batch
+        try:
+            pl = o._lease(part.block, "host", "write")
+        except TierflowError as e:
+            if first or e.errno != errno.EDEADLK:
+                raise
+            return None
+        try:
+            return pl, o._lease(part.grad_block, "host", "write")
+        except BaseException as e:
+            o._unlease(pl, dirty=False)
+            if first or not isinstance(e, TierflowError) or e.errno != errno.EDEADLK:
+                raise
+            return None
 
     def __enter__(self) -> list[Partition]:
         o = self.owner
+        held = 0
         try:
-            for part in self.batch:
+            for part in self.parts:
+                need = pages(part.shard_bytes) + pages(part.shard_numel * 4)
+                if self.batch and held + need > self.cap:
+                    break
                 o.release(part)
-                pl = o._lease(part.block, "host", "write")
-                gl = o._lease(part.grad_block, "host", "write")
+                taken = self._take(part)
+                if taken is None:
+                    break
+                pl, gl = taken
+                held += need
+                self.batch.append(part)
                 self.leases.append((pl, gl))
                 p = part.step_param
                 p.data = o._local(pl, part)
@@ -559,8 +596,8 @@ class _Stepping:
                 # parameter steps its fp32 master from the accumulated fp32
                 # gradient rounded once, as torch's own bf16 training does.
                 p.grad = grad if part.dtype == torch.float32 else grad.to(part.dtype)
-        except BaseException:
-            self.__exit__(None, None, None)
+        except BaseException as e:
+            self.__exit__(type(e), e, None)  # nothing was stepped: no copy is newer
             raise
         return self.batch
 
