@@ -472,16 +472,20 @@ def test_a_full_nvme_directory_mid_run_names_it_and_the_last_checkpoint_loads(tm
             subprocess.run(["umount", "--lazy", str(mount)], check=True)
 
 
-def test_two_processes_over_gloo_train_as_one(tmp_path):
+@pytest.mark.parametrize("clip", ["0.5", "0"])
+def test_two_processes_over_gloo_train_as_one(tmp_path, monkeypatch, clip):
     """torchrun with 2 ranks, each holding half of every parameter, gradient
     and optimizer state (on NVMe), with a checkpoint and a resume midway,
-    against the same run in one process on the whole batch. Measured: losses
-    within 1.2e-7 (relative) and parameters within 5e-7 after 10 steps: the
-    mean of two half-batch gradients is the whole batch's up to fp32
-    rounding. Bounded at 1e-5 and 1e-5."""
+    against the same run in one process on the whole batch; with clipping
+    (the step after the backward, the norm summed over the ranks) and
+    without (each parameter stepped during the backward). Measured: losses
+    within 1.2e-7 (relative) and parameters within 5e-7 after 10 steps, both
+    ways: the mean of two half-batch gradients is the whole batch's up to
+    fp32 rounding. Bounded at 1e-5 and 1e-5."""
     sys.path.insert(0, os.path.dirname(__file__))
     import zero_dp_worker as worker
 
+    monkeypatch.setenv("ZERO_DP_CLIP", clip)
     one = worker.run(str(tmp_path / "one"), str(tmp_path / "one" / "ck"))
     out = tmp_path / "two.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1",

@@ -62,7 +62,9 @@ def config(nvme: str, device_memory: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH,
         "gradient_accumulation_steps": GAS,
-        "gradient_clipping": 0.5,
+        # Clipping (the global norm over the ranks) steps after the backward;
+        # without it each parameter is stepped during the backward.
+        "gradient_clipping": float(os.environ.get("ZERO_DP_CLIP", "0.5")),
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.99], "eps": 1e-8,
                                                    "weight_decay": 0.01}},
         "zero_optimization": {
