@@ -6,7 +6,7 @@ memory bounded by the config's budgets. Not part of CI: it needs tens of GB
 of free disk and minutes.
 
     bench/python/zero3_beyond_ram.py --nvme-dir /nvme/scratch [--params 2e9] [--steps 3]
-                                     [--host-memory 4G] [--device-memory 2G]
+                                     [--host-memory 4G] [--device-memory 2G] [--peer deepspeed]
 
 It checks the free space first (16 bytes per parameter and a margin), sizes
 the model from ``--params`` (24 layers, the width that gives that count),
@@ -14,6 +14,15 @@ trains on one short batch of random bytes, and prints per step the loss, the
 time, the bytes each tier link moved and the process's peak RSS, then the
 peak RSS against the budgets. The device tier is the host stand-in on a
 machine without a GPU, so RAM holds both budgets.
+
+``--peer deepspeed`` runs DeepSpeed's ZeRO-Infinity on the same model
+instead: ``deepspeed.zero.Init`` with parameters and optimizer on NVMe, its
+swap buffers sized for the model's largest weight and its optimizer's
+sub-groups of 1e8 elements (at its default of 1e9 its swap buffers alone
+would take 16 GB of pinned memory), bf16 (its NVMe parameter swapper holds
+16-bit parameters). A watchdog ends it when the process's RSS passes
+``--rss-limit`` (default 90% of RAM), so the machine is never driven into
+swap; the script then says so.
 """
 
 from __future__ import annotations
@@ -62,6 +71,8 @@ def main() -> int:
     p.add_argument("--host-memory", default="4G", help="tierflow.host_memory (default 4G)")
     p.add_argument("--device-memory", default="2G", help="tierflow.device_memory (default 2G)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--peer", choices=["deepspeed"], help="run DeepSpeed's ZeRO-Infinity on the same model instead")
+    p.add_argument("--rss-limit", default=None, help="the peer's RSS limit (default 90%% of RAM)")
     a = p.parse_args()
 
     # The width that gives --params over --layers blocks of 12·d² (and a byte vocabulary).
@@ -79,6 +90,12 @@ def main() -> int:
               "give a smaller --params or another --nvme-dir", file=sys.stderr)
         return 2
     scratch = Path(tempfile.mkdtemp(prefix="tierflow-beyond-ram-", dir=a.nvme_dir))
+    if a.peer == "deepspeed":
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        try:
+            return run_deepspeed(cfg, scratch, a.steps, a.tokens, size(a.rss_limit) if a.rss_limit else int(0.9 * ram))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     host, device = size(a.host_memory), size(a.device_memory)
     config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -126,6 +143,73 @@ def main() -> int:
             print(json.dumps(results))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_deepspeed(cfg: GPTConfig, scratch: Path, steps: int, tokens: int, rss_limit: int) -> int:
+    import socket
+    import threading
+
+    with socket.socket() as s:  # a free port for the one-rank process group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    import deepspeed
+
+    largest = max(4 * cfg.n_embd * cfg.n_embd, 256 * cfg.n_embd)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 100_000_000,
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_max_live_parameters": largest,
+            "stage3_max_reuse_distance": largest,
+            "offload_param": {"device": "nvme", "nvme_path": str(scratch), "pin_memory": True,
+                              "buffer_count": 5, "buffer_size": largest, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(scratch), "pin_memory": True,
+                                  "buffer_count": 4},
+        },
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True,
+                "thread_count": 1},
+    }
+    stop = threading.Event()
+
+    def watchdog() -> None:  # RSS beyond the limit: end the run before the machine swaps
+        while not stop.wait(0.5):
+            if rss() > rss_limit:
+                print(f"deepspeed: RSS {gb(rss())} passed the limit {gb(rss_limit)}; ended", flush=True)
+                os._exit(3)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    deepspeed.init_distributed(dist_backend="gloo")
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config, remote_device="nvme"):
+        model = GPT(cfg)
+    print(f"deepspeed: built under deepspeed.zero.Init in {time.perf_counter() - start:.0f} s; "
+          f"peak RSS {gb(peak_rss())}", flush=True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    print(f"deepspeed: initialized after {time.perf_counter() - start:.0f} s; peak RSS {gb(peak_rss())}", flush=True)
+    x = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(1))
+    y = torch.roll(x, -1, 1)
+    for step in range(steps):
+        t0 = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        print(f"deepspeed step {step + 1}/{steps}: loss {loss.item():.4f}, {time.perf_counter() - t0:.0f} s, "
+              f"peak RSS {gb(peak_rss())}", flush=True)
+    stop.set()
     return 0
 
 
