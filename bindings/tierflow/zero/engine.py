@@ -95,7 +95,11 @@ class Engine:
     Attributes: ``module`` (the model), ``optimizer``, ``lr_scheduler``,
     ``config`` (the :class:`~tierflow.config.Config`), ``plan`` (stage 3's
     :class:`~tierflow.zero.plan.Plan`, else None), ``global_steps``,
-    ``micro_steps``, ``skipped_steps`` (fp16 overflows), ``loss_scale``.
+    ``micro_steps``, ``skipped_steps`` (fp16 overflows), ``loss_scale``,
+    ``group`` (the data-parallel ranks, :class:`~tierflow.zero.comm.Group`).
+    At stage 3 the optimizer's parameters are the engine's own, one per
+    model parameter (its shape, or this rank's flat shard with several
+    ranks), over host copies leased only while it steps.
     """
 
     def __init__(self, model: torch.nn.Module, config: Config, model_parameters: Iterable | None = None,
@@ -212,7 +216,9 @@ class Engine:
     def _stepped(self, trainable: list) -> list:
         """What the optimizer steps for ``trainable`` (parameters, or param
         groups): at stage 3 each partition's :attr:`~Partition.step_param` —
-        the parameter itself with one rank, this rank's flat shard with several."""
+        a parameter of the model's shape over its host copy with one rank,
+        over this rank's flat shard with several (as DeepSpeed's stage-3
+        optimizer holds flat partitions)."""
         if self.params is None:
             return trainable
 
