@@ -78,6 +78,13 @@ it came from:
   3,257,856 parameters need 52.1 MB (49.7 MiB); the device budget is 26.1 MB
   (24.9 MiB), as is the host's.
 
+Several processes: ``torchrun --nproc-per-node N examples/train_gpt.py`` trains
+data-parallel (gloo on the CPU, NCCL over the GPUs, one per process): each
+rank's store holds 1/N of every parameter, gradient and optimizer state, each
+rank draws its own micro-batches (the seed plus its rank), the loss shown is
+the mean over the ranks, tokens/s counts them all, and rank 0 prints and
+writes the outputs. ``--compare`` and ``--engine torch`` run in one process.
+
 Exit status 0 on success; 1 with one line on stderr when a value is refused or
 a file cannot be read or written; 2 when the command line does not parse.
 """
@@ -347,11 +354,11 @@ class Progress:
     every tenth of the run and the last (a bar redrawn with carriage returns
     makes an unreadable log)."""
 
-    def __init__(self, label: str, total: int) -> None:
+    def __init__(self, label: str, total: int, shown: bool = True) -> None:
         from tqdm import tqdm
 
         self.label, self.total = label, total
-        self.interactive = sys.stderr.isatty()
+        self.interactive = shown and sys.stderr.isatty()
         self.every = max(1, total // 10)
         self.bar = tqdm(total=total, desc=label, unit="step", dynamic_ncols=True, disable=not self.interactive)
 
@@ -377,10 +384,10 @@ def _fields(loss: float, tokens_per_second: float, stats: dict[str, Any] | None)
     return fields
 
 
-def train(engine: Any, run: Run, batches: Batches, steps: int, device: torch.device) -> None:
+def train(engine: Any, run: Run, batches: Batches, steps: int, device: torch.device, ranks: "Ranks") -> None:
     """``steps`` optimizer steps; each runs micro-batches until the engine
     reports the accumulation boundary."""
-    progress = Progress(run.label, steps)
+    progress = Progress(run.label, steps, shown=ranks.rank == 0)
     started = time.perf_counter()
     try:
         for step in range(1, steps + 1):
@@ -398,8 +405,8 @@ def train(engine: Any, run: Run, batches: Batches, steps: int, device: torch.dev
                     break
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            rate = micro_batches * x.numel() / (time.perf_counter() - t0)
-            run.losses.append(total / micro_batches)
+            rate = ranks.world_size * micro_batches * x.numel() / (time.perf_counter() - t0)
+            run.losses.append(ranks.mean(total / micro_batches))
             run.tokens_per_second.append(rate)
             progress.update(step, _fields(run.losses[-1], rate, engine.memory_stats()))
     finally:
@@ -479,6 +486,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a torchrun launch (rank 0 of 1 without one)."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def mean(self, value: float) -> float:
+        """``value`` averaged over the ranks."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return t.item() / self.world_size
+
+
+def _launch() -> tuple[Ranks, torch.device]:
+    """The process group of a torchrun launch, made here (gloo on the CPU,
+    NCCL with one GPU per process), and this process's device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    if world == 1:
+        return Ranks(), torch.device("cuda" if cuda else "cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    ranks = Ranks(torch.distributed.get_rank(), torch.distributed.get_world_size())
+    return ranks, torch.device("cuda", local) if cuda else torch.device("cpu")
+
+
 def _total_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
@@ -500,7 +538,13 @@ def _scratch(resolved: ResolvedConfig, keep: bool) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model_cfg, training = PRESETS[args.model], TRAINING[args.model]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ranks, device = _launch()
+    if ranks.world_size > 1:
+        if args.compare or args.engine == "torch":
+            raise ValueError(f"{'--compare' if args.compare else '--engine torch'}: the in-memory reference runs in "
+                             "one process; launch it without torchrun")
+        if ranks.rank != 0:  # rank 0 speaks for the run
+            sys.stdout = open(os.devnull, "w")
     if device.type == "cpu":
         # torch's default is the physical cores of the whole machine; this process may be held to fewer.
         torch.set_num_threads(len(os.sched_getaffinity(0)))
@@ -516,7 +560,8 @@ def main(argv: list[str] | None = None) -> None:
                               engine=args.engine, nvme_dir=args.nvme_dir)
     ds_config = resolved.ds_config
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
+    if ranks.rank == 0:
+        (args.out / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
 
     corpus = load_stdlib()
     loop = loop_config(ds_config)
@@ -534,8 +579,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"training state: {_size(need)} ({BYTES_PER_PARAMETER} bytes per parameter)"
           + ("" if budget is None else f", device budget {_size(budget)}"))
 
-    def batches(split: torch.Tensor) -> Batches:
-        return Batches(split, batch=micro_batch, context=model_cfg.context, seed=args.seed, device=device)
+    def batches(split: torch.Tensor, own: bool = False) -> Batches:
+        # Each rank trains on its own micro-batches; all evaluate the same ones.
+        seed = args.seed + (ranks.rank if own else 0)
+        return Batches(split, batch=micro_batch, context=model_cfg.context, seed=seed, device=device)
 
     trace: Path | None = None
     with _scratch(resolved, args.keep):
@@ -546,14 +593,14 @@ def main(argv: list[str] | None = None) -> None:
             engine = TorchEngine(model_cfg, ds_config, args.seed, device)
             main_run = Run("torch, in memory")
         try:
-            train(engine, main_run, batches(corpus.train), args.steps, device)
+            train(engine, main_run, batches(corpus.train, own=True), args.steps, device, ranks)
             main_run.eval_loss = evaluate(engine, batches(corpus.val))
             stats = engine.memory_stats()
             checkpoint = args.out / "checkpoint" / f"global_step{engine.global_steps}"
             engine.save_checkpoint(str(checkpoint.parent), tag=checkpoint.name,
                                    client_state={"model": args.model, "seed": args.seed, "corpus": corpus.digest})
             if args.engine == "tierflow" and ds_config.get("tierflow", {}).get("trace") is True:
-                trace = args.out / "trace.json"
+                trace = args.out / ("trace.json" if ranks.rank == 0 else f"trace.rank{ranks.rank}.json")
                 engine.write_trace(str(trace))
         finally:
             engine.close()  # the NVMe files go before their directory does
@@ -562,10 +609,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.compare:
         reference = TorchEngine(model_cfg, ds_config, args.seed, device)
         runs.append(Run("torch AdamW, in memory (--compare)"))
-        train(reference, runs[-1], batches(corpus.train), args.steps, device)
+        train(reference, runs[-1], batches(corpus.train, own=True), args.steps, device, ranks)
         runs[-1].eval_loss = evaluate(reference, batches(corpus.val))
         reference.close()
 
+    if ranks.rank != 0:
+        torch.distributed.destroy_process_group()
+        return
     figure = args.out / "loss.png"
     plot(runs, figure, f"{args.model} ({model_cfg.parameters / 1e6:.1f}M parameters) on the Python standard "
                        f"library, {args.steps} steps of {accumulation} × {micro_batch * model_cfg.context} tokens")
@@ -592,6 +642,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("trace: none (the torch engine has no tiers to trace)")
     print(f"checkpoint: {checkpoint}")
+    if ranks.world_size > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

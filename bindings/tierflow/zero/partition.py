@@ -22,8 +22,9 @@ of its own and ends the lease; a gradient is reduce-scattered to the rank's
 shard before it is accumulated; and the optimizer steps each rank's shards (a
 flat parameter per partition, :attr:`Partition.step_param`). The gathered
 buffers are bounded by the device budget less the device tier's share (the
-budget ÷ world_size, for the shards on their way), so a rank's device never
-holds more than ``tierflow.device_memory``. Whole-parameter reads (a
+budget ÷ (2 × world_size), for the shards on their way: a shard is held only
+while it is gathered), so a rank's device never holds more than
+``tierflow.device_memory``. Whole-parameter reads (a
 checkpoint, ``state_dict``) gather too: every rank makes them, in the same
 order.
 
@@ -162,9 +163,11 @@ class ParamStore:
         # A file no larger than the blocks need; a block larger than one gets a file of its own.
         file_size = max(PAGE, min(256 << 20, pages(nvme_bytes)))
         # One rank: the device tier holds the parameters themselves. Several:
-        # it holds the shards on their way (the budget ÷ world_size), and the
-        # gathered parameters take the rest.
-        tier_budget = plan.device_budget if world == 1 else max(PAGE, pages(plan.device_budget // world))
+        # it holds the shards on their way (the budget ÷ 2·world_size: one is
+        # held only while it is gathered, the others are prefetches), and the
+        # gathered parameters take the rest — at least 3/4 of the budget, so
+        # the plan's minimum (twice the working set) holds them with room.
+        tier_budget = plan.device_budget if world == 1 else max(PAGE, pages(plan.device_budget // (2 * world)))
         self.gather_budget = plan.device_budget if world == 1 else plan.device_budget - tier_budget
         # Hooks run one at a time, so no lease ends while one is waited on: fail such waits, never hang.
         self.store = _core.Store(plan.host_budget, nvme_dir=nvme_dir,
@@ -253,7 +256,7 @@ class ParamStore:
 
     def fetch(self, part: Partition) -> None:
         """Makes ``part`` resident in the device tier (a no-op when it is)."""
-        if part.lease is not None:
+        if part.resident:
             return
         need = pages(part.nbytes)
         if self._resident_bytes + need > self.gather_budget:
@@ -262,8 +265,8 @@ class ParamStore:
                 f"tierflow.device_memory: {format_bytes(self.plan.device_budget)} cannot hold '{part.name}' "
                 f"({format_bytes(need)}) beside what this step holds at once ({format_bytes(self._resident_bytes)}: "
                 f"{held}); give at least {self._resident_bytes + need} bytes"
-                + (f" to the gathered parameters (the budget less its 1/{self.group.world_size} for shards)"
-                   if part.sharded else ""))
+                + (f" to the gathered parameters (the budget less {format_bytes(self.plan.device_budget - self.gather_budget)} "
+                   "for the shards on their way)" if part.sharded else ""))
         lease = self._lease(part.block, "device", "read")
         if part.sharded:
             try:
