@@ -563,3 +563,23 @@ def test_stage_2_zenflow_trains_within_a_measured_tolerance_of_adamw(tmp_path):
     assert per_step[-1] < reference[2 * 5]
     window_ends = per_step[3::4]
     assert all(b < a for a, b in zip(window_ends, window_ends[1:])), window_ends
+
+
+def test_gradients_in_host_memory_beside_parameters_on_nvme(tmp_path):
+    # offload_optimizer "cpu" homes the gradients in the host tier for the
+    # run: the plan gives the parameters' leases room beside them.
+    reference = torch_losses(4)
+    torch.manual_seed(0)
+    model = TinyLM()
+    config = ds_config(tmp_path / "nvme", device_memory=model_bytes(model) // 3)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = tierflow.initialize(model=model, config=config)
+    try:
+        plan = engine.plan
+        assert plan.grad_home == "host" and plan.host_budget >= plan.grad_bytes + 2 * (256 * 64 * 4)
+        losses = tierflow_losses(engine, 4)
+        host = engine.memory_stats()["tiers"]["host"]
+    finally:
+        engine.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+    assert plan.grad_bytes <= host["high_water"] <= host["budget"]

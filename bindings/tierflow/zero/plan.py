@@ -33,7 +33,9 @@ parameters DeepSpeed keeps live, ``stage3_max_live_parameters`` plus
 
 Each tier is one region and a copy in use cannot move, so the minimums are
 twice the working set: the largest module's parameters (and the persistent
-ones) on the device, the largest parameter and its gradient on the host.
+ones) on the device, the largest parameter and its gradient on the host —
+beside the blocks homed in host memory, which stay in its tier for the run
+(gradients under ``offload_optimizer.device`` "cpu").
 Under activation checkpointing a checkpointed segment's re-forward holds all
 of the segment's parameters until their gradients land: give the device twice
 that. (A budget that copies in use have split into pieces too small for the
@@ -233,9 +235,27 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
     device_reason = f"twice {module_name}'s parameters" + (
         f" and the {sum(i.persistent for i in infos)} persistent ones" if persistent_bytes else "")
     largest = max(infos, key=lambda i: i.numel, default=None)
-    minimum_host = 2 * (pages(shard(largest.numel) * element) + pages(shard(largest.numel) * 4)) if largest else PAGE
-    host_reason = (f"twice '{largest.name}'{' (its shard)' if world_size > 1 else ''} and its gradient, "
-                   "stepped together") if largest else "no parameters"
+    # A block homed in host memory stays in the host tier for the run; the
+    # others are leased into it for each use, twice the largest at most.
+    resident = (param_bytes if param_home == "host" else 0) + (grad_bytes if grad_home == "host" else 0)
+    if largest is None:
+        minimum_host, host_reason = PAGE, "no parameters"
+    else:
+        lease_bytes, leased = 0, []
+        its = " (its shard)" if world_size > 1 else ""
+        if param_home != "host":
+            lease_bytes += pages(shard(largest.numel) * element)
+            leased.append(f"'{largest.name}'{its}")
+        if grad_home != "host":
+            lease_bytes += pages(shard(largest.numel) * 4)
+            leased.append("its gradient" if leased else f"the gradient of '{largest.name}'{its}")
+        minimum_host = max(PAGE, resident + 2 * lease_bytes)
+        homed = " and ".join(kind for kind, home in (("parameters", param_home), ("gradients", grad_home))
+                             if home == "host")
+        reasons = [f"the {homed} homed there"] if homed else []
+        if leased:
+            reasons.append("twice " + " and ".join(leased) + (", stepped together" if len(leased) == 2 else ""))
+        host_reason = " beside ".join(reasons)
 
     sources: dict[str, str] = {}
     t = config.tierflow
