@@ -154,9 +154,20 @@ block_id block_store::create_block(block_desc desc) {
   // blocks, writing dirty ones back and waiting for that (creation is control
   // plane); what cannot be made room for is budget_exceeded from allocate(),
   // or the write-back's error when dirty copies that cannot go home hold it.
+  // Every cached copy leaves, not just enough of them: the tier is one region
+  // and allocation is first fit, so home copies made so pack together from
+  // its start. Made between cached copies instead, they would stay between
+  // the holes those leave, each too small for a larger copy later, and a
+  // budget that holds the homes and twice the largest copy beside them could
+  // still not lease it.
   if (bytes <= home.budget()) {
     const auto since = std::chrono::steady_clock::now();
-    while (!make_room(desc.home, bytes, traffic_class::demand, /*hint=*/false, since) &&
+    const bool cached = std::any_of(blocks_.begin(), blocks_.end(), [&](const block_record& v) {
+      const copy_state s = v.copies[index_of(desc.home)].state;
+      return v.desc.home != desc.home && (s == copy_state::valid || s == copy_state::dirty);
+    });
+    const std::uint64_t room = cached ? home.budget() : bytes;
+    while (!make_room(desc.home, room, traffic_class::demand, /*hint=*/false, since) &&
            transfers_in_flight_ > 0) {
       drain();
       while (transfers_in_flight_ != 0) lock.wait(idle_cv_);
