@@ -17,8 +17,10 @@ are its own), one at a time:
       default DeepSpeed's 5e7), to show whether it runs;
   (c) tierflow's ZeRO-3 engine under (b)'s config, unchanged (its host budgets
       follow DeepSpeed's buffer keys);
-  (d) tierflow's ZeRO-3 with ZenFlow: the engine refuses ZenFlow at stage 3,
-      and the row prints its error;
+  (d) tierflow's ZeRO-3 with ZenFlow: (c)'s config with offload_optimizer on
+      the CPU (ZenFlow keeps its state in host memory: fp32 masters and
+      moments, stepped by ZenFlow, written back to the store) and (e)'s
+      zenflow section;
   (e) DeepSpeed's ZenFlow: stage 2, offload_optimizer cpu, topk_ratio 0.1,
       update_interval 4, overlap_step true;
   (f) tierflow's ZenFlow under (e)'s config;
@@ -300,6 +302,7 @@ def child(args):
         result = run_tierflow(args, zero3_config(scratch, 0))
     elif name == "d":
         config = zero3_config(scratch, 0)
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         config["zero_optimization"]["zenflow"] = zenflow_config()["zero_optimization"]["zenflow"]
         result = run_tierflow(args, config)
     elif name == "e":

@@ -356,8 +356,11 @@ def test_budgets_too_small_are_refused_before_any_work_with_the_minimum(tmp_path
 def test_contradictory_and_unsupported_keys_are_named(tmp_path):
     config = ds_config(tmp_path / "nvme")
     config["zero_optimization"]["zenflow"] = {"topk_ratio": 0.1}
-    with pytest.raises(ValueError, match="zero_optimization.zenflow"):
+    # Stage 3's ZenFlow keeps its state in host memory: state on NVMe is refused.
+    with pytest.raises(ValueError, match=r"zero_optimization.zenflow: .*offload_optimizer.device"):
         tierflow.initialize(model=TinyLM(), config=config)
+    with pytest.raises(ValueError, match=r"zero_optimization.zenflow: .*offload_optimizer.device"):
+        estimate_memory(TinyLM(), config, print_table=False)
     config = ds_config(tmp_path / "nvme", gas="auto")
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         tierflow.initialize(model=TinyLM(), config=config)
@@ -583,3 +586,136 @@ def test_gradients_in_host_memory_beside_parameters_on_nvme(tmp_path):
         engine.close()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
     assert plan.grad_bytes <= host["high_water"] <= host["budget"]
+
+
+# ---- ZenFlow at stage 3: fp32 masters in host memory, stepped by ZenFlow ----
+
+def zenflow3_config(tmp_path, zenflow, **kwargs):
+    config = ds_config(tmp_path / "nvme", **kwargs)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    config["zero_optimization"]["zenflow"] = zenflow
+    return config
+
+
+def zenflow3_engine(tmp_path, zenflow, **kwargs):
+    torch.manual_seed(0)
+    model = TinyLM()
+    kwargs.setdefault("device_memory", model_bytes(model) // 3)
+    engine, *_ = tierflow.initialize(model=model, config=zenflow3_config(tmp_path, zenflow, **kwargs))
+    return engine
+
+
+_ZENFLOW_EXACT = {"topk_ratio": 0.1, "update_interval": 1, "overlap_step": False}
+_ZENFLOW_ON = {"topk_ratio": 0.1, "update_interval": 4, "overlap_step": True}
+
+
+def test_stage_3_zenflow_with_one_step_windows_is_torch_adamw(tmp_path):
+    # update_interval 1 without overlap: both sides apply every step's
+    # gradient, so ZenFlow computes AdamW's update whatever it selects.
+    reference = torch_losses(30)
+    engine = zenflow3_engine(tmp_path, _ZENFLOW_EXACT)
+    try:
+        assert type(engine.optimizer).__name__ == "ZenFlow" and engine.plan.grad_home == "host"
+        losses = tierflow_losses(engine, 30)
+        assert engine.optimizer.zenflow_stats()["steps"] == 30
+    finally:
+        engine.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+
+
+def test_stage_3_zenflow_trains_as_stage_2_within_a_measured_tolerance_of_adamw(tmp_path):
+    # Measured on this model and data (lr 3e-3, 30 steps of 2 micro-batches,
+    # the top 10% of columns every step, the rest every 4 steps a window
+    # late): ZenFlow's loss lags AdamW's, by 2.45 at most over the run (an
+    # early window's end) and 0.45 at the last step (0.49 against 0.03). The
+    # bounds are 2.7 and 0.55. Stage 3 steps the same masters from the same
+    # gradients as stage 2, where ZenFlow steps the model in place.
+    reference = torch_losses(30)
+    engine = zenflow3_engine(tmp_path, _ZENFLOW_ON)
+    try:
+        losses = tierflow_losses(engine, 30)
+        stats = engine.optimizer.zenflow_stats()
+        store = engine.module.state_dict()  # after ZenFlow's finish
+        masters = {part.name: m for part, m in zip(engine.zenflow.parts, engine.zenflow.masters)}
+    finally:
+        engine.close()
+    assert stats["schedule"]["overlap_step"] and stats["cpu_steps"] >= 6
+    gaps = [abs(a - b) for a, b in zip(losses, reference)]
+    assert max(gaps) < 2.7, max(gaps)
+    assert losses[-1] < reference[-1] + 0.55, (losses[-1], reference[-1])
+    assert losses[-1] < losses[0] - 3, "the model did not learn"
+    for name, master in masters.items():  # the store holds the newest values
+        assert torch.equal(store[name], master.detach()), name
+    torch.manual_seed(0)
+    config = stage2_config(zenflow=_ZENFLOW_ON)
+    resident, *_ = tierflow.initialize(model=TinyLM(), config=config)
+    try:
+        stage2 = tierflow_losses(resident, 30)
+    finally:
+        resident.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(stage2), rtol=1e-5, atol=1e-6)
+
+
+def test_stage_3_zenflow_stays_within_its_budgets_and_the_plan_refuses_less(tmp_path):
+    model = TinyLM()
+    config = zenflow3_config(tmp_path, _ZENFLOW_ON, device_memory=model_bytes(model) // 3)
+    plan = estimate_memory(model, config, print_table=False)
+    assert "ZenFlow masters (fp32)" in plan.describe() and "host (ZenFlow)" in plan.describe()
+    master, moments, grads = plan.zenflow_bytes
+    n = sum(p.numel() for p in model.parameters())
+    # Under overlap_step: the masters, the windowed side's copy, and the 2-D
+    # weights' staging; both sides' moments; the gradients and two windows.
+    assert master >= 8 * n and moments > 8 * n and grads > 4 * n
+    need = plan.minimum_host + sum(plan.zenflow_bytes)
+    with pytest.raises(ValueError, match=rf"tierflow.host_memory: .*ZenFlow's state.* give at least .*\({need} bytes\)"):
+        tierflow.initialize(model=model, config=zenflow3_config(tmp_path, _ZENFLOW_ON, host_memory=need - 1,
+                                                                device_memory=model_bytes(model) // 3))
+    assert all(p.is_contiguous() and p.numel() > 0 for p in model.parameters())  # nothing was partitioned
+    engine = zenflow3_engine(tmp_path, _ZENFLOW_ON, host_memory=need)
+    try:
+        assert engine.plan.host_budget == plan.minimum_host
+        tierflow_losses(engine, 8)
+        stats = engine.memory_stats()
+    finally:
+        engine.close()
+    for name, tier in stats["tiers"].items():
+        assert tier["budget"] is None or 0 < tier["high_water"] <= tier["budget"], name
+    zen = stats["optimizer"]["tiers"]["host"]
+    assert zen["budget"] == sum(plan.zenflow_bytes) and 0 < zen["high_water"] <= zen["budget"]
+    assert stats["tiers"]["host"]["budget"] + zen["budget"] <= need
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_stage_3_zenflow_resumes_from_a_checkpoint(tmp_path, precision):
+    # A save applies ZenFlow's open window (finish) first; the run that goes
+    # on after it and the one loaded from it start from the same masters and
+    # then differ as ZenFlow's own state_dict round trip makes them differ.
+    # Measured in fp32: 2.3e-4 of the loss at most over the 10 steps after it
+    # (2.8e-4 relative), the same figure as torch parameters stepped by
+    # ZenFlow give, saved and loaded at the same step; the bound is 5e-4
+    # relative. In bf16 that rounds to a bf16 step of the loss here and
+    # there: two (2**-7) at most measured, four (2**-6) the bound.
+    extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    engine = zenflow3_engine(tmp_path / "a", _ZENFLOW_ON, **extra)
+    try:
+        tierflow_losses(engine, 10)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        saved = [m.detach().clone() for m in engine.zenflow.masters]
+        went_on = tierflow_losses(engine, 10, first=10)
+    finally:
+        engine.close()
+    engine = zenflow3_engine(tmp_path / "b", _ZENFLOW_ON, **extra)
+    try:
+        path, _ = engine.load_checkpoint(tmp_path / "ckpt")
+        assert engine.global_steps == 10 and engine.optimizer.zenflow_stats()["schedule"]["overlap_step"]
+        assert all(torch.equal(a, b) for a, b in zip(saved, engine.zenflow.masters))
+        resumed = tierflow_losses(engine, 10, first=10)
+        sd = engine.module.state_dict()
+        # load_state_dict of the model makes the masters again from its values.
+        engine.module.load_state_dict({k: torch.zeros_like(v) if k == "ln.bias" else v for k, v in sd.items()})
+        zeroed = dict(zip((p.name for p in engine.zenflow.parts), engine.zenflow.masters))["ln.bias"]
+        assert zeroed.abs().sum() == 0
+    finally:
+        engine.close()
+    rtol, atol = (5e-4, 1e-6) if precision == "fp32" else (0.0, 2.0 ** -6)
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(went_on), rtol=rtol, atol=atol)

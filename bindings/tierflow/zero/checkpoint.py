@@ -7,7 +7,9 @@ DeepSpeed lays them out.
   from the store one parameter at a time, so saving never needs the model in
   RAM);
 * ``optimizer/`` (state on NVMe: the optimizer's own crash-safe checkpoint,
-  streamed through its host budget) or ``optimizer.pt`` (state in memory);
+  streamed through its host budget) or ``optimizer.pt`` (state in memory;
+  stage 3 with ZenFlow: ZenFlow's state_dict, and the fp32 masters of a
+  bf16/fp16 run);
 * ``engine.pt``: the step counters, the loss scale, the lr scheduler's state
   and the client state.
 
@@ -264,13 +266,16 @@ def save(engine: "Engine", save_dir: str, tag: str | None, client_state: dict, s
 
 
 def _save_into(engine: "Engine", partial: str, client_state: dict) -> None:
+    if engine.zenflow is not None:
+        engine.zenflow.finish()  # the store gets ZenFlow's newest values first
     if engine.params is not None:
         engine.params.flush()
     _save_model(engine, os.path.join(partial, "model.safetensors"))
     if _optimizer_on_nvme(engine):
         engine.optimizer.save_state(_optimizer_path(engine, partial))
     else:
-        _torch_save(engine.optimizer.state_dict(), _optimizer_path(engine, partial))
+        owner = engine.zenflow if engine.zenflow is not None else engine.optimizer
+        _torch_save(owner.state_dict(), _optimizer_path(engine, partial))
     if engine.group.rank != 0:
         return
     state = {
@@ -317,6 +322,12 @@ def load(engine: "Engine", load_dir: str, tag: str | None, load_optimizer: bool,
             raise ValueError(f"load_checkpoint: {path} holds the optimizer state of {saved_world} ranks, this run has "
                              f"{engine.group.world_size}; load it with load_optimizer_states=False (the model only) "
                              "or with as many ranks")
+    if engine.zenflow is not None:  # its masters follow the loaded values
+        if load_optimizer:
+            engine.zenflow.load_state_dict(torch.load(_optimizer_path(engine, path), weights_only=False))
+        else:
+            engine.zenflow.reload()
+    elif load_optimizer:
         if _optimizer_on_nvme(engine):
             engine.optimizer.load_state(_optimizer_path(engine, path))
         else:
@@ -339,6 +350,8 @@ def export(engine: "Engine", save_dir: str, filename: str, fp32: bool) -> str:
     (``fp32``) the fp32 masters — a bf16/fp16 parameter's from the optimizer's
     state, made from the parameter when it has not stepped yet."""
     path = os.path.join(save_dir, filename)
+    if engine.zenflow is not None:
+        engine.zenflow.finish()
     entries = _model_entries(engine)
     dtype = torch.float32 if fp32 else None
     shapes = [(n, tuple(x.shape), dtype or x.dtype) for n, x in entries]
@@ -346,6 +359,9 @@ def export(engine: "Engine", save_dir: str, filename: str, fp32: bool) -> str:
     def master(item: Any, values: torch.Tensor) -> torch.Tensor:
         if not fp32 or values.dtype == torch.float32:
             return values
+        if engine.zenflow is not None:
+            kept = engine.zenflow.master_of(item)
+            return kept if kept is not None else values.to(torch.float32)
         if engine.params is None:
             kept = _master_from_optimizer(engine.optimizer, item)
             return kept if kept is not None else values.to(torch.float32)

@@ -4,9 +4,11 @@ DeepSpeed's, over tierflow's store and optimizers.
 Stage 3 keeps every parameter in the store (partition.py) and fetches it
 around its module's forward and backward (hooks.py); the optimizer steps the
 parameters batch by batch in host memory, each batch's compute copies and
-gradients leased there while its state streams from where it lives. Stages 0–2
-keep the parameters where the model has them and step them with tierflow's
-optimizer (state in host memory or on NVMe) or ZenFlow.
+gradients leased there while its state streams from where it lives; with
+``zero_optimization.zenflow`` ZenFlow steps fp32 masters in host memory
+instead (zenflow.py). Stages 0–2 keep the parameters where the model has them
+and step them with tierflow's optimizer (state in host memory or on NVMe) or
+ZenFlow.
 
 DeepSpeed's semantics hold: :meth:`Engine.backward` scales the loss by
 1/``gradient_accumulation_steps`` (and by the loss scale under fp16),
@@ -34,6 +36,7 @@ from tierflow.zero.hooks import ModuleHooks, ParameterAccess, saved_tensor_hooks
 from tierflow.zero.overlap import OverlappedStep, overlappable
 from tierflow.zero.partition import ParamStore, Partition
 from tierflow.zero.plan import Plan, format_bytes, make_plan, parameters_of
+from tierflow.zero.zenflow import PartitionedZenFlow
 
 __all__ = ["Engine", "initialize", "LossScaler"]
 
@@ -126,6 +129,7 @@ class Engine:
         self.plan: Plan | None = None
         self.params: ParamStore | None = None
         self.hooks: ModuleHooks | None = None
+        self.zenflow: PartitionedZenFlow | None = None  # stage 3 with zero_optimization.zenflow
         self._norm_sq = 0.0
         self._finite = True
         self._norm_counted: set[int] = set()
@@ -201,9 +205,7 @@ class Engine:
             raise ValueError("optimizer: missing; the engine steps the optimizer the config names "
                              "(type Adam or AdamW, with its params)")
         if self.config.zero.zenflow is not None:
-            if self.stage == 3:
-                raise ValueError("zero_optimization.zenflow: ZenFlow runs at stages 1 and 2 (parameters on the "
-                                 "device, as DeepSpeed's ZenFlow); at stage 3 tierflow's engine steps synchronously")
+            # (At stage 3 the plan refuses state on NVMe: ZenFlow's lives in host memory.)
             if not isinstance(opt, AdamConfig):
                 raise ValueError(f"optimizer.type: {opt.type} with zenflow; ZenFlow steps Adam or AdamW")
         if isinstance(opt, MuonConfig):
@@ -230,7 +232,6 @@ class Engine:
                 for g in trainable]
 
     def _make_optimizer(self, trainable: list) -> torch.optim.Optimizer:
-        trainable = self._stepped(trainable)
         opt = self.config.optimizer
         threads = self.config.tierflow.threads
         z = self.config.zero
@@ -240,10 +241,15 @@ class Engine:
             zf = {k: getattr(z.zenflow, k) for k in ("topk_ratio", "select_strategy", "select_interval",
                                                       "update_interval", "overlap_step", "auto_ratio",
                                                       "full_warm_up_rounds", "pt_reserved_cores_perc")}
-            return ZenFlow(trainable, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+            options = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
                            decoupled_weight_decay=opt.decoupled_weight_decay, zenflow=zf, threads=threads)
+            if self.params is not None:  # stage 3: ZenFlow steps fp32 masters in host memory
+                self.zenflow = PartitionedZenFlow(self.params, self.module, trainable, options)
+                return self.zenflow.optimizer
+            return ZenFlow(trainable, **options)
         from tierflow.torch.optim import Adam, AdamW
 
+        trainable = self._stepped(trainable)
         cls = AdamW if opt.decoupled_weight_decay else Adam
         kwargs: dict[str, Any] = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
                                       amsgrad=opt.amsgrad, threads=threads)
@@ -271,6 +277,8 @@ class Engine:
             training = self.module.training and torch.is_grad_enabled()
             if training:
                 self.params.begin_iteration()
+            elif self.zenflow is not None:  # an evaluation reads the newest values
+                self.zenflow.finish()
             access = ParameterAccess(self.params, keep=True)
             try:
                 with access, saved_tensor_hooks(self.params):
@@ -375,15 +383,18 @@ class Engine:
                 self._overlap.wait()  # the backward's last parameter
             if go:
                 params.release_all(keep_persistent=False)
-                # A batch of parameters at a time (ParamStore.stepping); the
-                # scheduler loads the next ones' blocks meanwhile. With the
-                # step overlapped, these are the parameters the boundary's
-                # backward did not reach (a module skipped then).
-                parts = list(params.step_parts())
-                while parts:
-                    with params.stepping(parts, factor) as batch:
-                        self.optimizer.step()
-                    parts = parts[len(batch):]
+                if self.zenflow is not None:
+                    self.zenflow.step(factor)
+                else:
+                    # A batch of parameters at a time (ParamStore.stepping);
+                    # the scheduler loads the next ones' blocks meanwhile.
+                    # With the step overlapped, these are the parameters the
+                    # boundary's backward did not reach (a module skipped then).
+                    parts = list(params.step_parts())
+                    while parts:
+                        with params.stepping(parts, factor) as batch:
+                            self.optimizer.step()
+                        parts = parts[len(batch):]
         finally:
             params.clear_grads()
             params.end_iteration()
@@ -459,7 +470,9 @@ class Engine:
             out["stall_fraction"] = t["stall_seconds"] / self._busy if self._busy > 0 else 0.0
             out["scheduler"] = self.params.scheduler.stats
         telemetry = getattr(self.optimizer, "telemetry", None)
-        if callable(telemetry):
+        if self.zenflow is not None:
+            out["optimizer"] = self.zenflow.memory_stats()
+        elif callable(telemetry):
             opt = telemetry()
             if opt is not None:
                 out["optimizer"] = {"tiers": _tiers_of(opt),
@@ -509,6 +522,8 @@ class Engine:
             self.hooks.remove()
         if self._overlap is not None:
             self._overlap.close()
+        if self.zenflow is not None:
+            self.zenflow.close()
         close = getattr(self.optimizer, "close", None)
         if callable(close):
             close()

@@ -380,6 +380,16 @@ class ParamStore:
         finally:
             self._unlease(lease, dirty=False)
 
+    def read_grad(self, part: Partition, out: torch.Tensor, scale: float) -> None:
+        """Writes ``part``'s accumulated gradient times ``scale`` into ``out``
+        (fp32, the parameter's shape)."""
+        lease = self._lease(part.grad_block, "host", "read")
+        try:
+            with torch.no_grad():
+                torch.mul(self._grad_view(lease, part), scale, out=out)
+        finally:
+            self._unlease(lease, dirty=False)
+
     def clear_grads(self) -> None:
         for part in self.parts:
             part.grad_empty = True

@@ -30,6 +30,9 @@ parameters DeepSpeed keeps live, ``stage3_max_live_parameters`` plus
 ``stage3_prefetch_bucket_size`` elements, capped at all of them);
 ``tierflow.host_memory`` is the whole host budget of the run, a quarter of it
 (at most) for the optimizer's stream and the rest for the parameter store.
+With ``zero_optimization.zenflow`` the optimizer's state is ZenFlow's, all of
+it in host memory (:func:`zenflow_host_bytes`), and the parameter store gets
+what is left of ``tierflow.host_memory`` after it.
 
 Each tier is one region and a copy in use cannot move, so the minimums are
 twice the working set: the largest module's parameters (and the persistent
@@ -46,6 +49,7 @@ engine clear of it.)
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -53,7 +57,7 @@ import torch
 
 from tierflow.config import AUTO, Config
 
-__all__ = ["Plan", "ParamInfo", "make_plan", "estimate_memory", "format_bytes"]
+__all__ = ["Plan", "ParamInfo", "make_plan", "estimate_memory", "format_bytes", "zenflow_host_bytes"]
 
 PAGE = 4096
 _MIN_OPTIMIZER_HOST = 64 << 10  # OffloadedAdam's minimum: four sub-groups of a page per buffer
@@ -102,7 +106,7 @@ class Plan:
     params: tuple[ParamInfo, ...]
     param_bytes: int        # compute copies, page-aligned
     grad_bytes: int         # fp32 gradients, page-aligned
-    state_bytes: int        # the optimizer's fp32 state
+    state_bytes: int        # the optimizer's fp32 state (ZenFlow's: all of zenflow_bytes)
     minimum_device: int     # the most the device must hold at once
     minimum_device_reason: str
     minimum_host: int
@@ -114,16 +118,30 @@ class Plan:
     prefetch_share: float = 0.75
     evict_distance: int = 0
     world_size: int = 1     # data-parallel ranks: the byte figures are one rank's shards
-
+    # ZenFlow's host memory (zero/zenflow.py), (masters, moments, gradients)
+    # bytes; None without zero_optimization.zenflow.
+    zenflow_bytes: tuple[int, int, int] | None = None
 
     def rows(self) -> list[tuple[str, str, str, str]]:
         """(what, where, bytes, note) for the table :func:`estimate_memory` prints."""
         dt = str(self.compute_dtype).removeprefix("torch.")
         state_where = "host memory" if self.optimizer_offload == "cpu" else "nvme"
-        return [
+        rows = [
             (f"parameters ({dt})", self.param_home, format_bytes(self.param_bytes),
              f"{len(self.params)} tensors; leased into the device tier around each module"),
             ("gradients (fp32)", self.grad_home, format_bytes(self.grad_bytes), "accumulated across micro-batches"),
+        ]
+        if self.zenflow_bytes is not None:
+            master, moments, grads = self.zenflow_bytes
+            return rows + [
+                ("ZenFlow masters (fp32)", "host memory", format_bytes(master),
+                 "every trainable parameter, written back to its compute copy after each step"),
+                ("ZenFlow moments (fp32)", "host memory", format_bytes(moments),
+                 "exp_avg and exp_avg_sq of both sides, and the columns changing sides"),
+                ("ZenFlow gradients (fp32)", "host memory", format_bytes(grads),
+                 "each step's gradient and the window's sums"),
+            ]
+        return rows + [
             ("optimizer state (fp32)", state_where, format_bytes(self.state_bytes),
              "moments" + (" and master" if self.compute_dtype != torch.float32 else "; the fp32 parameter is its master")),
         ]
@@ -144,6 +162,9 @@ class Plan:
         if self.optimizer_host_budget is not None:
             lines.append(f"    host (optimizer)    {format_bytes(self.optimizer_host_budget):>10}  "
                          f"the NVMe state streams through it [{self.sources.get('optimizer', '')}]")
+        if self.zenflow_bytes is not None:
+            lines.append(f"    host (ZenFlow)      {format_bytes(sum(self.zenflow_bytes)):>10}  "
+                         f"ZenFlow's state, beside the parameter store [{self.sources.get('optimizer', '')}]")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -225,6 +246,18 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
     low_precision = dtype != torch.float32
     amsgrad = bool(getattr(config.optimizer, "amsgrad", False))
     state_bytes = sum(shard(i.numel) * 4 * (2 + int(amsgrad) + int(low_precision)) for i in infos)
+    zenflow_bytes = None
+    zf = z.zenflow
+    if zf is not None:
+        if optimizer_offload == "nvme":
+            raise ValueError('zero_optimization.zenflow: needs offload_optimizer.device "cpu" at stage 3, not "nvme" '
+                             "(ZenFlow keeps its state in host memory and streams none from NVMe)")
+        if world_size > 1:
+            raise ValueError(f"zero_optimization.zenflow: ZenFlow at stage 3 runs on one process, not {world_size} "
+                             "(its column selection needs whole gradients, which each rank holds a shard of)")
+        zenflow_bytes = zenflow_host_bytes([tuple(p.shape) for _, _, p in named if p.requires_grad],
+                                           zf.topk_ratio, zf.overlap_step)
+        state_bytes = sum(zenflow_bytes)
 
     # Each tier is one region its copies are carved from, and a copy in use
     # cannot move: the budgets hold twice what is in use at once, so the copies
@@ -272,16 +305,18 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
                              else "stage3_max_live_parameters + stage3_prefetch_bucket_size")
 
     optimizer_host: int | None = None
+    zenflow_host = sum(zenflow_bytes) if zenflow_bytes is not None else 0
     if t.host_memory is not None:
         total = int(t.host_memory)
         if optimizer_offload == "nvme":
             optimizer_host = max(_MIN_OPTIMIZER_HOST, min(total // 4, pages(state_bytes)))
-        host_budget = total - (optimizer_host or 0)
+        host_budget = total - (optimizer_host or 0) - zenflow_host
         sources["host"] = sources["optimizer"] = "tierflow.host_memory"
         if host_budget < minimum_host:
-            need = minimum_host + (optimizer_host or 0)
+            need = minimum_host + (optimizer_host or 0) + zenflow_host
             raise ValueError(f"tierflow.host_memory: {format_bytes(total)} cannot hold {host_reason}"
                              + (" beside the optimizer's stream" if optimizer_host else "")
+                             + (f" beside ZenFlow's state ({format_bytes(zenflow_host)})" if zenflow_host else "")
                              + f"; give at least {format_bytes(need)} ({need} bytes)")
     else:
         params_part = param_bytes
@@ -298,6 +333,8 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
             oo = z.offload_optimizer
             optimizer_host = max(_MIN_OPTIMIZER_HOST, min(pages(state_bytes), pages(oo.buffer_count * z.sub_group_size * 4)))
             sources["optimizer"] = "offload_optimizer.buffer_count × sub_group_size"
+        if zenflow_bytes is not None:
+            sources["optimizer"] = "ZenFlow's state, beside the store's host tier"
     if (param_home == "nvme" or grad_home == "nvme" or optimizer_offload == "nvme") and nvme_dir is None:
         nvme_dir = t.nvme_dir
     prefetch_share, evict_distance = scheduler_settings(z, element, device_budget,
@@ -308,7 +345,43 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
                 param_bytes=param_bytes, grad_bytes=grad_bytes, state_bytes=state_bytes,
                 minimum_device=minimum_device, minimum_device_reason=device_reason,
                 minimum_host=minimum_host, minimum_host_reason=host_reason, sources=sources,
-                prefetch_share=prefetch_share, evict_distance=evict_distance, world_size=world_size)
+                prefetch_share=prefetch_share, evict_distance=evict_distance, world_size=world_size,
+                zenflow_bytes=zenflow_bytes)
+
+
+
+def zenflow_host_bytes(shapes: Iterable[tuple[int, ...]], topk_ratio: float, overlap_step: bool, *,
+                       selected: bool = True, hand_over: bool = True) -> tuple[int, int, int]:
+    """The host memory ZenFlow takes to step trainable parameters of
+    ``shapes`` from fp32 masters (zero/zenflow.py), as (masters, moments,
+    gradients) bytes: the masters and their gradients, and what the C++
+    engine allocates for them (bindings/src/zenflow.cpp over
+    core/src/zenflow/): its every-step side's moments of the selected columns
+    (of none before the first selection, ``selected`` False), its windowed
+    side's moments of every weight, each 2-D weight's window of gradient sums
+    (two under ``overlap_step``, when the windowed side also keeps its own
+    copy of the masters and stages what it computes), and with ``hand_over``
+    the columns changing sides at a refresh, entering and leaving at once
+    (master and moments of a weight's selected columns each way)."""
+    master = moments = grads = 0
+    windows = 2 if overlap_step else 1
+    for shape in shapes:
+        n = math.prod(shape)
+        if n == 0:
+            continue  # ZenFlow leaves an empty parameter out
+        master += 4 * n + (4 * n if overlap_step else 0)
+        grads += 4 * n
+        moments += 8 * n
+        cols = shape[0] if len(shape) >= 2 else 1
+        if cols > 1:  # the engine's 2-D weight: a column per output unit
+            # The selection's size as core/src/zenflow/selection.cpp rounds it.
+            chosen = min(cols, max(1, math.ceil(topk_ratio * cols - 1e-9))) * (n // cols)
+            moments += (8 * chosen if selected else 0) + (2 * 12 * chosen if hand_over else 0)
+            grads += 4 * n * windows
+            master += 4 * n if overlap_step else 0
+        else:  # a 1-D weight is the every-step side's, moments and all
+            moments += 8 * n
+    return master, moments, grads
 
 
 def scheduler_settings(z: Any, element: int, device_budget: int, mean_numel: float) -> tuple[float, int]:

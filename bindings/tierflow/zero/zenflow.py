@@ -1,0 +1,227 @@
+"""ZenFlow at ZeRO stage 3: :class:`PartitionedZenFlow`.
+
+At stage 3 a parameter's compute copy is a block in the store, leased where it
+is used, so ZenFlow's engine — which keeps views of the parameters it steps
+and writes them between steps — cannot step it where it lies. As DeepSpeed's
+ZenFlow does, the optimizer's state lives in host memory instead
+(``offload_optimizer.device`` "cpu"): an fp32 master of every trainable
+parameter, whole, and a :class:`~tierflow.torch.optim.ZenFlow` over the
+masters. At each accumulation boundary every parameter's accumulated
+gradient comes from its block into its master's ``.grad``, ZenFlow steps, and
+every master is written back into its compute block (rounded to the compute
+dtype) through the store, from where the next forward leases it.
+
+The write-back right after :meth:`ZenFlow.step` reads masters nothing else
+writes at that moment: under ``overlap_step`` the window's CPU step runs on
+the engine's own thread over the windowed side's own copy of the masters and
+its staging buffers (bindings/src/zenflow.cpp, core/src/zenflow/cpu_device.cpp);
+its result reaches the masters only when the window is applied, on the
+caller's thread, inside a later ``step()`` or ``finish()``. So after either
+returns the masters are whole and still. The columns the windowed side owns
+lag a window in the store as they do in the masters; :meth:`finish` (called
+before an evaluation, a ``state_dict()`` and a save) applies the window in
+flight and the open one, and writes the result back.
+
+The masters are made from the store's values when the engine starts, and
+again whenever the model's values are replaced from outside the optimizer:
+``load_state_dict()`` of the model and ``load_checkpoint`` (a bf16/fp16 run's
+checkpoint carries its masters). Values written into a parameter any other way
+(``GatheredParameters`` with ``modifier_rank``) are overwritten at the next
+step by its master, as DeepSpeed's fp32 partitions would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tierflow.zero.partition import ParamStore, Partition
+
+__all__ = ["PartitionedZenFlow"]
+
+
+class PartitionedZenFlow:
+    """The fp32 masters of ``params``' trainable parameters and the ZenFlow
+    optimizer over them (:attr:`optimizer`, what the engine's ``optimizer``
+    and LR scheduler see: its ``param_groups`` are the model's groups, over the
+    masters).
+
+    ``trainable`` is the engine's: the model's parameters (in ``params``), or
+    torch-style groups of them. ``options`` are ZenFlow's keyword arguments
+    (AdamW's hyper-parameters, ``zenflow``, ``threads``). ``model`` gets a
+    ``state_dict`` pre-hook that calls :meth:`finish` and a
+    ``load_state_dict`` post-hook that makes the masters again (until
+    :meth:`close`)."""
+
+    def __init__(self, params: ParamStore, model: torch.nn.Module, trainable: list, options: dict[str, Any]) -> None:
+        from tierflow.torch.optim import ZenFlow
+
+        self.params = params
+        groups = trainable if trainable and isinstance(trainable[0], dict) else [{"params": trainable}]
+        self.parts: list[Partition] = []
+        self.masters: list[torch.Tensor] = []
+        master_groups = []
+        for g, group in enumerate(groups):
+            masters, names = [], []
+            for i, p in enumerate(group["params"]):
+                part = params.part_of(p)
+                if part is None:
+                    raise ValueError(f"model_parameters[{g}]['params'][{i}]: not a parameter of the model "
+                                     "(stage 3 steps the parameters in its store)")
+                if not part.requires_grad or part.grad_block < 0:
+                    continue
+                master = torch.empty(part.shape, dtype=torch.float32, requires_grad=True)
+                # The gradient lives beside its master for the run: one buffer,
+                # refilled at each step, so ZenFlow never makes one of its own.
+                master.grad = torch.zeros_like(master)
+                self.parts.append(part)
+                self.masters.append(master)
+                masters.append(master)
+                names.append(part.name)
+            master_groups.append({**{k: v for k, v in group.items() if k != "params"},
+                                  "params": masters, "param_names": names})
+        self._read_masters()
+        self.optimizer = ZenFlow(master_groups, **options)
+        self._overlap = bool(self.optimizer.schedule["overlap_step"])
+        self._topk = float(self.optimizer.zenflow_config.get("topk_ratio", 0.1))
+        # Whether ZenFlow may hold updates the store has not seen (a window
+        # open or in flight): set by a step, cleared by finish().
+        self._unfinished = False
+        self.high_water = self.held_bytes()
+        self._handles = [
+            model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.finish()),
+            model.register_load_state_dict_post_hook(lambda module, incompatible: self.reload()),
+        ]
+
+    # ---- stepping -------------------------------------------------------------------------------
+
+    def step(self, grad_scale: float) -> None:
+        """One ZenFlow step from the accumulated gradients, each multiplied by
+        ``grad_scale`` (the engine's unscale and clip factor), and every
+        master written back to its compute block. A parameter without a
+        gradient since the last step steps with a zero one (ZenFlow steps
+        every parameter it holds)."""
+        params = self.params
+        with torch.no_grad():
+            for part, master in zip(self.parts, self.masters):
+                if part.grad_empty:
+                    master.grad.zero_()
+                else:
+                    params.read_grad(part, master.grad, grad_scale)
+        self.optimizer.step()
+        self._unfinished = True
+        self._write_back()
+        self.high_water = max(self.high_water, self.held_bytes())
+
+    def finish(self) -> None:
+        """Applies the window in flight and the open one (ZenFlow's
+        ``finish``) and writes the masters back, so the store holds the newest
+        values: before an evaluation, a ``state_dict()``, a save. A no-op when
+        nothing has stepped since the last call."""
+        if not self._unfinished:
+            return
+        self.optimizer.finish()
+        self._write_back()
+        self._unfinished = False
+
+    def reload(self) -> None:
+        """Makes the masters again from the store's values (the model's were
+        replaced), and ZenFlow's engine anew over them, its state carried."""
+        self.optimizer.finish()
+        self._read_masters()
+        self._restart_engine(self.optimizer.state_dict())
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """ZenFlow's state_dict (``"optimizer"``, after its ``finish``) and,
+        when the compute copies are bf16/fp16, the fp32 masters by parameter
+        name (``"masters"``): the compute copies alone would lose their low
+        bits. fp32 masters are the compute copies, written back."""
+        self.finish()
+        sd = self.optimizer.state_dict()
+        out: dict[str, Any] = {"optimizer": sd}
+        if self.params.plan.compute_dtype != torch.float32:
+            out["masters"] = {part.name: master.detach().clone() for part, master in zip(self.parts, self.masters)}
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads :meth:`state_dict`'s output after the model's values were
+        loaded: the masters are the saved ones (bf16/fp16) or the store's
+        values (fp32), and ZenFlow resumes from the saved state."""
+        if not isinstance(state, dict) or "optimizer" not in state:
+            raise ValueError("load_checkpoint: the optimizer's state is not a stage-3 ZenFlow state "
+                             "(saved without zero_optimization.zenflow?)")
+        self.optimizer.finish()
+        self._read_masters()
+        saved = state.get("masters")
+        if saved is not None:
+            missing = [part.name for part in self.parts if part.name not in saved]
+            if missing:
+                raise ValueError(f"load_checkpoint: the saved masters have no '{missing[0]}'")
+            with torch.no_grad():
+                for part, master in zip(self.parts, self.masters):
+                    value = saved[part.name]
+                    if tuple(value.shape) != part.shape:
+                        raise ValueError(f"load_checkpoint: the saved master of '{part.name}' is "
+                                         f"{list(value.shape)}, the parameter {list(part.shape)}")
+                    master.copy_(value)
+        # The store already holds these values: the save wrote them back before the model's file.
+        self._restart_engine(state["optimizer"])
+
+    def master_of(self, part: Partition) -> torch.Tensor | None:
+        """A copy of ``part``'s fp32 master after :meth:`finish` (None for a parameter not trained)."""
+        self.finish()
+        for p, master in zip(self.parts, self.masters):
+            if p is part:
+                return master.detach().clone()
+        return None
+
+    # ---- reports -------------------------------------------------------------------------------
+
+    def held_bytes(self) -> int:
+        """The host memory ZenFlow's state holds now, beside a refresh's
+        columns changing sides: the masters and their gradients (their
+        tensors' sizes) and the C++ engine's state as
+        :func:`~tierflow.zero.plan.zenflow_host_bytes` counts it (the
+        selection's, once the first step made one). The plan's budget adds the
+        hand-over's."""
+        from tierflow.zero.plan import zenflow_host_bytes
+
+        ours = sum(2 * m.untyped_storage().nbytes() for m in self.masters)  # a master and its gradient
+        stepped = self.optimizer.zenflow_stats().get("steps", 0) > 0
+        counted = zenflow_host_bytes([tuple(m.shape) for m in self.masters], self._topk, self._overlap,
+                                     selected=stepped, hand_over=False)
+        return ours + sum(counted) - 8 * sum(m.numel() for m in self.masters)
+
+    def memory_stats(self) -> dict[str, Any]:
+        """The engine's ``memory_stats()["optimizer"]``: ZenFlow's host memory,
+        its budget the plan's."""
+        budget = sum(self.params.plan.zenflow_bytes or (0,))
+        return {"tiers": {"host": {"budget": budget, "used": self.held_bytes(), "high_water": self.high_water}},
+                "bytes": {}, "zenflow": self.optimizer.zenflow_stats()}
+
+    def close(self) -> None:
+        """Takes the model's hooks off (idempotent)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _read_masters(self) -> None:
+        with torch.no_grad():
+            for part, master in zip(self.parts, self.masters):
+                master.copy_(self.params.read(part))
+        self._unfinished = False
+
+    def _restart_engine(self, state: dict[str, Any]) -> None:
+        # ZenFlow's engine keeps its own copy of the masters under
+        # overlap_step and reads them when it is made: a load drops it, and
+        # the next step makes it again from the masters as they are now.
+        self.optimizer.load_state_dict(state)
+
+    def _write_back(self) -> None:
+        for part, master in zip(self.parts, self.masters):
+            self.params.write(part, master.detach())
