@@ -52,9 +52,9 @@ The config (train_gpt.json) is a DeepSpeed config as DeepSpeed reads it: ZeRO
 stage 3 with ``offload_param`` and ``offload_optimizer`` on NVMe, the ``aio``
 engine's settings, AdamW with a WarmupCosineLR schedule, two micro-batches per
 step, gradients clipped at norm 1. Its ``tierflow`` section sets the tier
-budgets and turns the trace on. It has no ``zenflow`` section: ZenFlow runs at
-ZeRO stages 1 and 2, where the parameters stay on the device, as DeepSpeed's
-does. Values written ``"auto"`` are filled in by this
+budgets and turns the trace on. It has no ``zenflow`` section: stage 3's
+ZenFlow keeps the optimizer's state in host memory (``offload_optimizer`` on
+the CPU), and this job streams it from NVMe, beyond its host budget. Values written ``"auto"`` are filled in by this
 script, as Hugging Face's Trainer fills its own, and each is printed with where
 it came from:
 
