@@ -5,7 +5,7 @@ loss against plain torch.
 
     examples/train_gpt.py [--model tiny] [--steps 80] [--compare] [--engine tierflow|torch]
                           [--config examples/train_gpt.json] [--out ./train_gpt_out]
-                          [--nvme-dir DIR] [--keep] [--seed 0]
+                          [--nvme-dir DIR] [--keep] [--seed 0] [--zenflow]
 
 The model (gpt.py) is a decoder-only transformer in plain torch; the corpus
 (corpus.py) is the standard library's ``*.py`` files as bytes, so nothing is
@@ -54,9 +54,14 @@ engine's settings, AdamW with a WarmupCosineLR schedule, two micro-batches per
 step, gradients clipped at norm 1. Its ``tierflow`` section sets the tier
 budgets and turns the trace on. It has no ``zenflow`` section: stage 3's
 ZenFlow keeps the optimizer's state in host memory (``offload_optimizer`` on
-the CPU), and this job streams it from NVMe, beyond its host budget. Values written ``"auto"`` are filled in by this
-script, as Hugging Face's Trainer fills its own, and each is printed with where
-it came from:
+the CPU), and this job streams it from NVMe, beyond its host budget.
+``--zenflow`` trains with ZenFlow instead: it adds ``zenflow`` (``topk_ratio``
+0.1, ``update_interval`` 4, ``overlap_step`` true), moves ``offload_optimizer``
+to the CPU (the parameters stay on NVMe), and ``tierflow.host_memory``
+"auto" then adds ZenFlow's host state (its fp32 masters, moments and
+gradient windows: about 35 bytes per parameter at these settings). Values
+written ``"auto"`` are filled in by this script, as Hugging Face's Trainer
+fills its own, and each is printed with where it came from:
 
 * ``train_micro_batch_size_per_gpu`` and ``optimizer.params.lr``: the preset's;
 * ``bf16.enabled``: true on a GPU, false on the CPU. fp32 on the CPU because
@@ -149,10 +154,18 @@ def tierflow_engine(model_cfg: GPTConfig, ds_config: dict[str, Any], seed: int) 
         raise ImportError(f"--engine tierflow: tierflow's ZeRO-3 engine cannot be imported ({e}); "
                           "--engine torch trains without it") from e
     torch.manual_seed(seed)
-    with tierflow.zero.Init(config=ds_config):
+    zenflow = ds_config.get("zero_optimization", {}).get("zenflow") is not None
+    # ZenFlow keeps fp32 masters of the whole model in host memory, so the
+    # model need not avoid RAM while it is built (and zero.Init, which sizes
+    # its store before the model is known, would take ZenFlow's share).
+    with tierflow.zero.Init(config=ds_config, enabled=not zenflow) as built:
         model = GPT(model_cfg)
-    engine, _optimizer, _dataloader, _lr_scheduler = tierflow.initialize(
-        model=model, model_parameters=model.parameters(), config=ds_config)
+    try:
+        engine, _optimizer, _dataloader, _lr_scheduler = tierflow.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config)
+    except BaseException:
+        built.close()  # the store's files go now, before their directory does
+        raise
     return engine
 
 
@@ -315,8 +328,46 @@ def resolve_config(config: dict[str, Any], *, preset: str, steps: int, device: t
                 out.notes.append(f"zero_optimization.{section}.nvme_path = {json.dumps(str(nvme_dir))} (--nvme-dir)")
         fill("tierflow.device_memory", budget, f"8 bytes per parameter, half of the {_size(2 * budget)} "
                                               "the training state needs")
+        zenflow = zero.get("zenflow") if isinstance(zero, dict) else None
+        if isinstance(zenflow, dict):
+            state = zenflow_state_bytes(model_cfg, zenflow)
+            fill("tierflow.host_memory", budget + state, f"8 bytes per parameter and ZenFlow's host state, "
+                                                         f"{_size(state)}")
         fill("tierflow.host_memory", budget, "8 bytes per parameter")
     return out
+
+
+def zenflow_state_bytes(model_cfg: GPTConfig, zenflow: dict[str, Any]) -> int:
+    """What ZenFlow keeps in host memory for the model (its fp32 masters,
+    moments and gradient windows), by the engine's own count."""
+    from tierflow.zero.plan import zenflow_host_bytes
+
+    with torch.device("meta"):  # shapes only, no memory
+        shapes = [tuple(p.shape) for p in GPT(model_cfg).parameters()]
+    return sum(zenflow_host_bytes(shapes, float(zenflow.get("topk_ratio", 0.1)),
+                                  bool(zenflow.get("overlap_step", False))))
+
+
+# ZenFlow's settings for --zenflow: DeepSpeed ZenFlow's example values.
+ZENFLOW = {"topk_ratio": 0.1, "update_interval": 4, "overlap_step": True}
+
+
+def with_zenflow(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``config`` with ZenFlow on at stage 3 (``--zenflow``) and what changed."""
+    config = json.loads(json.dumps(config))
+    zero = config.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ValueError("zero_optimization: --zenflow needs it to be an object")
+    notes = []
+    if zero.get("zenflow") is None:
+        zero["zenflow"] = dict(ZENFLOW)
+        notes.append(f"zero_optimization.zenflow = {json.dumps(ZENFLOW)} (--zenflow)")
+    optimizer = zero.get("offload_optimizer")
+    if not isinstance(optimizer, dict) or optimizer.get("device") != "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        notes.append('zero_optimization.offload_optimizer = {"device": "cpu"} (--zenflow: ZenFlow\'s state is in '
+                     "host memory)")
+    return config, notes
 
 
 def _size(n: float) -> str:
@@ -471,6 +522,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="tierflow's ZeRO-3 engine (default), or the plain torch reference alone")
     p.add_argument("--nvme-dir", type=Path, help="the NVMe tier's directory (default: a fresh one under /var/tmp)")
     p.add_argument("--keep", action="store_true", help="keep the fresh NVMe directory at exit")
+    p.add_argument("--zenflow", action="store_true",
+                   help="train with ZenFlow at stage 3 (its state in host memory, the parameters on NVMe)")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps: {args.steps} is not ≥ 1")
@@ -483,6 +536,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--keep: it keeps the fresh directory made without --nvme-dir; a --nvme-dir given is never removed")
     if args.nvme_dir is not None and not args.nvme_dir.is_dir():
         p.error(f"--nvme-dir: {args.nvme_dir} is not a directory")
+    if args.zenflow and args.engine == "torch":
+        p.error("--zenflow: it is the tierflow engine's; --engine torch runs AdamW")
     return args
 
 
@@ -556,8 +611,12 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"--compare: the in-memory reference needs {_size(need)} for {args.model}'s fp32 weights, "
                          f"gradients and AdamW moments, more than this {device.type} device's "
                          f"{_size(_total_memory(device))} holds with activations")
-    resolved = resolve_config(load_config(args.config), preset=args.model, steps=args.steps, device=device,
+    config, changed = load_config(args.config), []
+    if args.zenflow:
+        config, changed = with_zenflow(config)
+    resolved = resolve_config(config, preset=args.model, steps=args.steps, device=device,
                               engine=args.engine, nvme_dir=args.nvme_dir)
+    resolved.notes[:0] = changed
     ds_config = resolved.ds_config
     args.out.mkdir(parents=True, exist_ok=True)
     if ranks.rank == 0:
@@ -588,7 +647,9 @@ def main(argv: list[str] | None = None) -> None:
     with _scratch(resolved, args.keep):
         if args.engine == "tierflow":
             engine = tierflow_engine(model_cfg, ds_config, args.seed)
-            main_run = Run("tierflow ZeRO-3, NVMe offload")
+            main_run = Run("tierflow ZeRO-3 + ZenFlow, parameters on NVMe"
+                           if ds_config.get("zero_optimization", {}).get("zenflow") is not None
+                           else "tierflow ZeRO-3, NVMe offload")
         else:
             engine = TorchEngine(model_cfg, ds_config, args.seed, device)
             main_run = Run("torch, in memory")

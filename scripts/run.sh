@@ -5,8 +5,10 @@
 # ZeRO-3 engine (examples/train_gpt.py: parameters and AdamW state on NVMe
 # files in that directory, device and host budgets below what the training
 # state needs; on this machine's GPU when it has one, else on the device's host
-# stand-in) beside the same training with torch.optim.AdamW in memory. The
-# loss plot, the Perfetto trace and the checkpoint land in build/train_gpt_out/.
+# stand-in) beside the same training with torch.optim.AdamW in memory; then
+# the same model with ZenFlow at stage 3 (its state in host memory, the
+# parameters on NVMe). The loss plots, the Perfetto traces and the
+# checkpoints land in build/train_gpt_out/ and build/train_gpt_out/zenflow/.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$here/scripts/setup.sh"
@@ -16,3 +18,5 @@ trap 'rm -rf "$scratch"' EXIT
 "$here/build/bin/tierflow" info --path "$scratch"
 "$here/.venv/bin/python" "$here/examples/train_gpt.py" --compare --nvme-dir "$scratch" \
   --out "$here/build/train_gpt_out"
+"$here/.venv/bin/python" "$here/examples/train_gpt.py" --zenflow --nvme-dir "$scratch" \
+  --out "$here/build/train_gpt_out/zenflow"

@@ -683,6 +683,17 @@ def test_stage_3_zenflow_stays_within_its_budgets_and_the_plan_refuses_less(tmp_
     zen = stats["optimizer"]["tiers"]["host"]
     assert zen["budget"] == sum(plan.zenflow_bytes) and 0 < zen["high_water"] <= zen["budget"]
     assert stats["tiers"]["host"]["budget"] + zen["budget"] <= need
+    # zero.Init sizes its store before the model is known: with all of the
+    # host budget taken there, ZenFlow's state would go beyond it, so the
+    # engine refuses, naming what it would take.
+    config = zenflow3_config(tmp_path / "init", _ZENFLOW_ON, host_memory=need, device_memory=model_bytes(model) // 3)
+    with tierflow.zero.Init(config=config) as built:
+        torch.manual_seed(0)
+        model = TinyLM()
+    with pytest.raises(ValueError, match="tierflow.host_memory: .* cannot hold ZenFlow's state .* the store of "
+                                         "tierflow.zero.Init took"):
+        tierflow.initialize(model=model, config=config)
+    built.close()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

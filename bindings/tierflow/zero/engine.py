@@ -186,6 +186,16 @@ class Engine:
             if params.plan.host_budget < plan.minimum_host:
                 raise ValueError(f"tierflow.host_memory: {format_bytes(params.plan.host_budget)} cannot hold "
                                  f"{plan.minimum_host_reason}; give at least {plan.minimum_host} bytes")
+            total = self.config.tierflow.host_memory
+            if plan.zenflow_bytes is not None and total is not None and \
+                    params.plan.host_budget + sum(plan.zenflow_bytes) > int(total):
+                # zero.Init sized its store before the model (and so ZenFlow's state) was known.
+                raise ValueError(
+                    f"tierflow.host_memory: {format_bytes(int(total))} cannot hold ZenFlow's state "
+                    f"({format_bytes(sum(plan.zenflow_bytes))}) beside the {format_bytes(params.plan.host_budget)} "
+                    "the store of tierflow.zero.Init took; ZenFlow keeps fp32 masters of the whole model in host "
+                    "memory, so build the model without zero.Init, or give tierflow.host_memory at least "
+                    f"{params.plan.host_budget + sum(plan.zenflow_bytes)} bytes")
             plan = _with_budgets(plan, params.plan)
             params.plan = plan
         self.plan = plan

@@ -192,6 +192,14 @@ class Init:
         self._access.__enter__()
         return self
 
+    def close(self) -> None:
+        """Releases the store (its NVMe files go) of a model built here that
+        will not be trained: one :func:`tierflow.initialize` refused, say.
+        The model's parameters keep placeholders of their shapes. An engine
+        made from the model closes the store itself."""
+        if self.enabled:
+            self.params.close()
+
     def __exit__(self, *exc: Any) -> None:
         if not self.enabled:
             return
