@@ -166,14 +166,20 @@ def run_iteration(scheduler, blocks, order, seen):
     scheduler.end_iteration()
 
 
-def test_the_scheduler_records_an_iteration_and_prefetches_the_next(tmp_path):
-    store = tiered_store(tmp_path)
-    # 12 blocks of 32 KiB: 1.5 times the device's budget, so copies must be evicted.
+def twelve_layers_on_nvme(store):
+    """12 blocks of 32 KiB homed on NVMe, block i holding the byte i, none cached."""
     blocks = [store.create_block(f"layers.{i}", 32 * KIB, home="nvme") for i in range(12)]
     for i, b in enumerate(blocks):
         write(store, b, np.full(32 * KIB, i, dtype=np.uint8), tier="host")
         store.evict(b, "host")
     store.flush()
+    return blocks
+
+
+def test_the_scheduler_records_an_iteration_and_prefetches_the_next(tmp_path):
+    store = tiered_store(tmp_path)
+    # 12 blocks of 32 KiB: 1.5 times the device's budget, so copies must be evicted.
+    blocks = twelve_layers_on_nvme(store)
     scheduler = PrefetchScheduler(store, max_lookahead=8)
     order = list(range(12))
     seen = []
@@ -200,11 +206,7 @@ def test_the_scheduler_records_an_iteration_and_prefetches_the_next(tmp_path):
 
 def test_a_scheduler_with_no_budget_share_serves_every_access_on_demand(tmp_path):
     store = tiered_store(tmp_path)
-    blocks = [store.create_block(f"layers.{i}", 32 * KIB, home="nvme") for i in range(12)]
-    for i, b in enumerate(blocks):
-        write(store, b, np.full(32 * KIB, i, dtype=np.uint8), tier="host")
-        store.evict(b, "host")
-    store.flush()
+    blocks = twelve_layers_on_nvme(store)
     scheduler = PrefetchScheduler(store, budget_share=0)
     seen = []
     for _ in range(3):

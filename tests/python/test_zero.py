@@ -19,16 +19,7 @@ import torch.nn.functional as F
 import tierflow
 from tierflow.zero import GatheredParameters, estimate_memory
 
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.ln(x))))
+from zero_models import Block
 
 
 class TinyLM(nn.Module):

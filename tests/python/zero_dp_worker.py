@@ -21,19 +21,10 @@ import torch.nn.functional as F
 
 import tierflow
 
+from zero_models import Block
+
 VOCAB, D, SEQ, GLOBAL_BATCH = 64, 45, 16, 8
 STEPS, FIRST, GAS = 10, 6, 2
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.ln(x))))
 
 
 class TinyLM(nn.Module):

@@ -201,11 +201,27 @@ TEST(store, waiting_for_room_leases_hold_ends_with_another_threads_release) {
   s.store->check_invariants();
 }
 
-TEST(store, a_single_holder_gets_room_an_evictable_copy_holds) {
-  auto s = make_gated_store(lease_holder::waiting_thread);
+// A single-holder store whose device tier (four pages) holds the leases of
+// a and b (a page each); c (a page) and d (two) are made, not resident.
+struct two_held {
+  gated_store s;
+  block_id a, b, c, d;
+  lease la, lb;
+};
+
+two_held make_two_held() {
+  gated_store s = make_gated_store(lease_holder::waiting_thread);
   const block_id a = make(*s.store, "a", page), b = make(*s.store, "b", page);
   const block_id c = make(*s.store, "c", page), d = make(*s.store, "d", 2 * page);
   lease la = granted(*s.store, a), lb = granted(*s.store, b);
+  return {std::move(s), a, b, c, d, std::move(la), std::move(lb)};
+}
+
+TEST(store, a_single_holder_gets_room_an_evictable_copy_holds) {
+  two_held t = make_two_held();
+  gated_store& s = t.s;
+  const block_id c = t.c, d = t.d;
+  lease &la = t.la, &lb = t.lb;
   s.store->release(granted(*s.store, c), dirty::no);  // cached at 8 KiB, unleased
   lease ld = s.store->acquire(d, tier_kind::device);
   EXPECT_EQ(ld.wait().size(), 2 * page);
@@ -215,10 +231,10 @@ TEST(store, a_single_holder_gets_room_an_evictable_copy_holds) {
 }
 
 TEST(store, a_single_holder_waits_for_room_a_writeback_in_flight_makes) {
-  auto s = make_gated_store(lease_holder::waiting_thread);
-  const block_id a = make(*s.store, "a", page), b = make(*s.store, "b", page);
-  const block_id c = make(*s.store, "c", page), d = make(*s.store, "d", 2 * page);
-  lease la = granted(*s.store, a), lb = granted(*s.store, b);
+  two_held t = make_two_held();
+  gated_store& s = t.s;
+  const block_id c = t.c, d = t.d;
+  lease &la = t.la, &lb = t.lb;
   s.store->release(granted(*s.store, c, access::write), dirty::yes);  // dirty on the device
   s.writebacks->close();
   lease ld = s.store->acquire(d, tier_kind::device);  // writes c back to make room
@@ -237,10 +253,10 @@ TEST(store, a_single_holder_waits_for_room_a_writeback_in_flight_makes) {
 }
 
 TEST(store, a_single_holder_waits_for_room_a_prefetch_in_flight_will_leave) {
-  auto s = make_gated_store(lease_holder::waiting_thread);
-  const block_id a = make(*s.store, "a", page), b = make(*s.store, "b", page);
-  const block_id c = make(*s.store, "c", page), d = make(*s.store, "d", 2 * page);
-  lease la = granted(*s.store, a), lb = granted(*s.store, b);
+  two_held t = make_two_held();
+  gated_store& s = t.s;
+  const block_id c = t.c, d = t.d;
+  lease &la = t.la, &lb = t.lb;
   s.loads->close();
   s.store->prefetch(c, tier_kind::device);  // loading at 8 KiB, held at the gate
   s.loads->await_held(1);
@@ -303,10 +319,10 @@ TEST(store, a_single_holder_overwrite_waiting_for_room_its_leases_hold_fails) {
 }
 
 TEST(store, a_single_holder_is_failed_when_the_transfer_it_waited_for_leaves_only_leases) {
-  auto s = make_gated_store(lease_holder::waiting_thread);
-  const block_id a = make(*s.store, "a", page), b = make(*s.store, "b", page);
-  const block_id c = make(*s.store, "c", page), d = make(*s.store, "d", 2 * page);
-  lease la = granted(*s.store, a), lb = granted(*s.store, b);
+  two_held t = make_two_held();
+  gated_store& s = t.s;
+  const block_id c = t.c, d = t.d;
+  lease &la = t.la, &lb = t.lb;
   s.loads->close();
   lease lc = s.store->acquire(c, tier_kind::device);  // loading at 8 KiB for a lease
   s.loads->await_held(1);
