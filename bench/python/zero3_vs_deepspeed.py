@@ -23,9 +23,10 @@ are its own), one at a time:
       zenflow section;
   (e) DeepSpeed's ZenFlow: stage 2, offload_optimizer cpu, topk_ratio 0.1,
       update_interval 4, overlap_step true;
-  (f) tierflow's ZenFlow under (e)'s config;
-  (e') and (f'): (e) and (f) with bf16 off (fp32 parameters), where
-      tierflow's ZenFlow, which steps fp32 parameters only, can run.
+  (f) tierflow's ZenFlow under (e)'s config (the bf16 model's fp32 masters
+      stepped by ZenFlow and written back into it);
+  (e') and (f'): (e) and (f) with bf16 off (fp32 parameters, which
+      tierflow's ZenFlow steps in place).
 
 Each runs --warmup untimed steps then --steps timed ones (the defaults put
 DeepSpeed's ZenFlow past its first update window, where it spawns its

@@ -36,7 +36,7 @@ from tierflow.zero.hooks import ModuleHooks, ParameterAccess, saved_tensor_hooks
 from tierflow.zero.overlap import OverlappedStep, overlappable
 from tierflow.zero.partition import ParamStore, Partition
 from tierflow.zero.plan import Plan, format_bytes, make_plan, parameters_of
-from tierflow.zero.zenflow import PartitionedZenFlow
+from tierflow.zero.zenflow import PartitionedZenFlow, ResidentParams
 
 __all__ = ["Engine", "initialize", "LossScaler"]
 
@@ -129,7 +129,8 @@ class Engine:
         self.plan: Plan | None = None
         self.params: ParamStore | None = None
         self.hooks: ModuleHooks | None = None
-        self.zenflow: PartitionedZenFlow | None = None  # stage 3 with zero_optimization.zenflow
+        # ZenFlow over fp32 masters: stage 3, or a bf16/fp16 model at stages 1-2.
+        self.zenflow: PartitionedZenFlow | None = None
         self._norm_sq = 0.0
         self._finite = True
         self._norm_counted: set[int] = set()
@@ -256,6 +257,10 @@ class Engine:
             if self.params is not None:  # stage 3: ZenFlow steps fp32 masters in host memory
                 self.zenflow = PartitionedZenFlow(self.params, self.module, trainable, options)
                 return self.zenflow.optimizer
+            if self.precision != "fp32":  # ZenFlow's engine steps fp32 parameters in place: masters, as at stage 3
+                self.zenflow = PartitionedZenFlow(ResidentParams(self.module, z.zenflow), self.module, trainable,
+                                                  options)
+                return self.zenflow.optimizer
             return ZenFlow(trainable, **options)
         from tierflow.torch.optim import Adam, AdamW
 
@@ -283,6 +288,8 @@ class Engine:
         start = time.perf_counter()
         try:
             if self.params is None:
+                if self.zenflow is not None and not (self.module.training and torch.is_grad_enabled()):
+                    self.zenflow.finish()  # an evaluation reads the newest values
                 return self.module(*args, **kwargs)
             training = self.module.training and torch.is_grad_enabled()
             if training:
@@ -411,24 +418,32 @@ class Engine:
         return go
 
     def _step_resident(self) -> bool:
-        grads = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        stepped = self.module.parameters() if self.zenflow is not None else \
+            (p for g in self.optimizer.param_groups for p in g["params"])
+        grads = [p for p in stepped if p.grad is not None]
         go = True
         if self.gradient_clipping > 0 or self.scaler is not None:
             norm_sq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) ** 2 for p in grads)
             factor, go = self._clip_factor(norm_sq, math.isfinite(norm_sq))
-            if go and factor != 1.0:
+            if go and factor != 1.0 and self.zenflow is None:
                 with torch.no_grad():
                     for p in grads:
                         p.grad.mul_(factor)
-        if go:
+        else:
+            factor = 1.0
+        if go and self.zenflow is not None:
+            self.zenflow.step(factor)  # the model's gradients into the masters, scaled; the masters back
+        elif go:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         return go
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients accumulated since the last step."""
         if self.params is not None:
             self.params.clear_grads()
+        elif self.zenflow is not None:  # the masters' gradients are ZenFlow's buffers, refilled each step
+            self.module.zero_grad(set_to_none=set_to_none)
         else:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 

@@ -267,7 +267,14 @@ class ParamStore:
                 f"{held}); give at least {self._resident_bytes + need} bytes"
                 + (f" to the gathered parameters (the budget less {format_bytes(self.plan.device_budget - self.gather_budget)} "
                    "for the shards on their way)" if part.sharded else ""))
-        lease = self._lease(part.block, "device", "read")
+        try:
+            lease = self._lease(part.block, "device", "read")
+        except TierflowError as e:
+            # The copies this step holds left no piece large enough: release
+            # those nothing uses now and try once more (a copy in use cannot move).
+            if e.errno != errno.EDEADLK or not self._release_idle():
+                raise
+            lease = self._lease(part.block, "device", "read")
         if part.sharded:
             try:
                 full = self.group.gather(self._local(lease, part))
@@ -295,6 +302,28 @@ class ParamStore:
         self._resident_bytes -= pages(part.nbytes)
         if lease is not None:
             self._unlease(lease, dirty=False)
+
+    def _release_idle(self) -> bool:
+        """Releases every resident parameter whose device memory no tensor
+        but the parameter's own views (what fetch made) references: one held
+        since an earlier use (a tied weight until its gradient hook, a
+        persistent one) that nothing is reading now. A later use fetches it
+        again (the hooks and ParameterAccess fetch what is not resident).
+        Whether any was released; none where torch cannot count a storage's
+        users."""
+        count = getattr(torch._C, "_storage_Use_Count", None)
+        if count is None:
+            return False
+        idle = []
+        for part in self._resident.values():
+            # The parameter's own tensor, the gathered buffer (several ranks)
+            # and the storage object made to ask: nothing else holds it.
+            own = 2 + (part.gathered is not None)
+            if count(part.param.untyped_storage()._cdata) <= own:
+                idle.append(part)
+        for part in idle:
+            self.release(part)
+        return bool(idle)
 
     def release_all(self, *, keep_persistent: bool) -> None:
         for part in list(self._resident.values()):

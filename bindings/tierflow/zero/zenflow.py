@@ -1,4 +1,5 @@
-"""ZenFlow at ZeRO stage 3: :class:`PartitionedZenFlow`.
+"""ZenFlow over fp32 masters: :class:`PartitionedZenFlow`, at ZeRO stage 3
+and, through :class:`ResidentParams`, for a bf16/fp16 model at stages 1–2.
 
 At stage 3 a parameter's compute copy is a block in the store, leased where it
 is used, so ZenFlow's engine — which keeps views of the parameters it steps
@@ -28,17 +29,79 @@ again whenever the model's values are replaced from outside the optimizer:
 checkpoint carries its masters). Values written into a parameter any other way
 (``GatheredParameters`` with ``modifier_rank``) are overwritten at the next
 step by its master, as DeepSpeed's fp32 partitions would.
+
+At stages 1–2 the parameters stay where the model has them, and ZenFlow's
+engine steps fp32 parameters in place; a bf16/fp16 model is stepped the same
+way as at stage 3, through :class:`ResidentParams`, which gives its
+parameters the store's shape: each gradient is read from ``.grad`` and each
+master written back into the parameter (rounded to its dtype).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tierflow.zero.partition import ParamStore, Partition
 
-__all__ = ["PartitionedZenFlow"]
+__all__ = ["PartitionedZenFlow", "ResidentParams"]
+
+
+class _ResidentPart:
+    """A resident parameter as :class:`PartitionedZenFlow` sees a partition."""
+
+    __slots__ = ("param", "name", "shape", "requires_grad", "grad_block")
+
+    def __init__(self, param: torch.nn.Parameter, name: str) -> None:
+        self.param, self.name = param, name
+        self.shape = tuple(param.shape)
+        self.requires_grad = param.requires_grad
+        self.grad_block = 0  # its gradient is .grad
+
+    @property
+    def grad_empty(self) -> bool:
+        return self.param.grad is None
+
+
+@dataclass(frozen=True)
+class _ResidentPlan:
+    compute_dtype: torch.dtype
+    zenflow_bytes: tuple[int, int, int]
+
+
+class ResidentParams:
+    """A model's parameters where the model keeps them (stages 1–2), read and
+    written as :class:`PartitionedZenFlow` reads and writes a store's: the
+    gradient from ``.grad``, the values from and into the parameter (any
+    device). ``zenflow`` is the config's ZenFlow section (for the host
+    memory its state takes)."""
+
+    def __init__(self, model: torch.nn.Module, zenflow: Any) -> None:
+        from tierflow.zero.plan import zenflow_host_bytes
+
+        self._parts: dict[int, _ResidentPart] = {}
+        for name, p in model.named_parameters():
+            self._parts.setdefault(id(p), _ResidentPart(p, name))
+        trainable = [tuple(x.param.shape) for x in self._parts.values() if x.requires_grad]
+        dtype = next(iter(self._parts.values())).param.dtype if self._parts else torch.float32
+        self.plan = _ResidentPlan(dtype, zenflow_host_bytes(trainable, zenflow.topk_ratio, zenflow.overlap_step))
+
+    def part_of(self, p: Any) -> _ResidentPart | None:
+        return self._parts.get(id(p))
+
+    def read_grad(self, part: _ResidentPart, out: torch.Tensor, scale: float) -> None:
+        out.copy_(part.param.grad)
+        if scale != 1.0:
+            out.mul_(scale)
+
+    def read(self, part: _ResidentPart) -> torch.Tensor:
+        return part.param.detach()
+
+    def write(self, part: _ResidentPart, value: torch.Tensor) -> None:
+        with torch.no_grad():
+            part.param.copy_(value)
 
 
 class PartitionedZenFlow:
@@ -54,7 +117,8 @@ class PartitionedZenFlow:
     ``load_state_dict`` post-hook that makes the masters again (until
     :meth:`close`)."""
 
-    def __init__(self, params: ParamStore, model: torch.nn.Module, trainable: list, options: dict[str, Any]) -> None:
+    def __init__(self, params: ParamStore | ResidentParams, model: torch.nn.Module, trainable: list,
+                 options: dict[str, Any]) -> None:
         from tierflow.torch.optim import ZenFlow
 
         self.params = params
@@ -170,9 +234,12 @@ class PartitionedZenFlow:
         # The store already holds these values: the save wrote them back before the model's file.
         self._restart_engine(state["optimizer"])
 
-    def master_of(self, part: Partition) -> torch.Tensor | None:
-        """A copy of ``part``'s fp32 master after :meth:`finish` (None for a parameter not trained)."""
+    def master_of(self, part: Any) -> torch.Tensor | None:
+        """A copy of ``part``'s fp32 master after :meth:`finish` (None for a
+        parameter not trained); ``part`` a partition, or a resident parameter."""
         self.finish()
+        if isinstance(self.params, ResidentParams):
+            part = self.params.part_of(part) or part
         for p, master in zip(self.parts, self.masters):
             if p is part:
                 return master.detach().clone()
