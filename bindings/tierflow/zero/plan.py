@@ -41,9 +41,11 @@ beside the blocks homed in host memory, which stay in its tier for the run
 (gradients under ``offload_optimizer.device`` "cpu").
 Under activation checkpointing a checkpointed segment's re-forward holds all
 of the segment's parameters until their gradients land: give the device twice
-that. (A budget that copies in use have split into pieces too small for the
-next copy makes the store wait for a release; the plan's minimums keep the
-engine clear of it.)
+that. (Copies in use can still split a tier's free room into pieces too
+small for the next copy: the engine's store is single-holder, so it refuses
+such a wait at once (EDEADLK) rather than hang, and the engine answers by
+releasing the device copies nothing is using — ParamStore.fetch — or ending
+a step's batch early — ParamStore.stepping.)
 """
 
 from __future__ import annotations
