@@ -23,21 +23,26 @@ apt_packages=(
   clang-16
 )
 
-missing=()
-for p in "${apt_packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-
-if ((${#missing[@]})); then
+# Installs those of the Debian packages given that are missing (as root;
+# otherwise names them and exits). $1 says what they are for, in messages.
+apt_install() {
+  local why=$1 p missing=()
+  shift
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  ((${#missing[@]})) || return 0
   if [[ $(id -u) -ne 0 ]]; then
-    echo "setup.sh: missing packages (${missing[*]}); run as root to install them" >&2
+    echo "setup.sh: missing packages (${missing[*]}${why:+; $why}); run as root to install them" >&2
     exit 1
   fi
   echo "setup.sh: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+}
+
+apt_install "" "${apt_packages[@]}"
 
 # .venv/: the tierflow Python package and what it and its tests need, from PyPI.
 # Each install runs only when an import says it is missing, so a full venv costs
@@ -68,16 +73,7 @@ fi
 if [[ ${1:-} == --bench ]]; then
   # DeepSpeed's NVMe offload (bench/python/zero3_vs_deepspeed.py) JIT-builds
   # its async_io op against libaio's headers.
-  if ! dpkg-query -W -f='${Status}' libaio-dev 2>/dev/null | grep -q "install ok installed"; then
-    if [[ $(id -u) -ne 0 ]]; then
-      echo "setup.sh: missing package libaio-dev (DeepSpeed's NVMe offload); run as root to install it" >&2
-      exit 1
-    fi
-    echo "setup.sh: installing libaio-dev"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends libaio-dev >/dev/null
-  fi
+  apt_install "DeepSpeed's NVMe offload" libaio-dev
   "$venv_python" -m pip install -q -r "$here/scripts/requirements-bench.txt"
 fi
 echo "setup.sh: dependencies present"
