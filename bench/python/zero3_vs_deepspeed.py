@@ -239,9 +239,24 @@ def run_torch(args):
     return out
 
 
-def run_deepspeed(args, config):
+def engine_step(engine, config):
+    """One training step through a DeepSpeed-shaped engine (DeepSpeed's or
+    tierflow's): forward, MSE loss, backward, step; returns the loss."""
     import torch
 
+    _, target = batches(0)
+    dtype = torch.bfloat16 if config["bf16"]["enabled"] else torch.float32
+
+    def step(x):
+        loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), target)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    return step
+
+
+def run_deepspeed(args, config):
     with socket.socket() as s:  # a free port for the one-rank process group
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -251,14 +266,7 @@ def run_deepspeed(args, config):
     deepspeed.init_distributed(dist_backend="gloo")
     model = make_model()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    _, target = batches(0)
-    dtype = torch.bfloat16 if config["bf16"]["enabled"] else torch.float32
-
-    def step(x):
-        loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), target)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
+    step = engine_step(engine, config)
 
     try:
         return train(step, args.steps, args.warmup)
@@ -268,19 +276,11 @@ def run_deepspeed(args, config):
 
 
 def run_tierflow(args, config):
-    import torch
     import tierflow
 
     model = make_model()
     engine, _, _, _ = tierflow.initialize(model=model, config=config)
-    _, target = batches(0)
-    dtype = torch.bfloat16 if config["bf16"]["enabled"] else torch.float32
-
-    def step(x):
-        loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), target)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
+    step = engine_step(engine, config)
 
     try:
         before = engine.memory_stats()["bytes"]
