@@ -643,36 +643,35 @@ void block_store::writeback_failed(block_id id, tier_kind from, traffic_class cl
     if (tiers_[index_of(t)]) wake_space_waiters(t);
 }
 
+namespace {
+
+bool pending_in(const detail::lease_state& w, tier_kind t) {
+  return w.tier == t && w.status.load(std::memory_order_relaxed) == detail::lease_status::pending;
+}
+
+void fail_lease(detail::lease_state& w, std::exception_ptr error) {
+  w.error = std::move(error);
+  // release: publishes `error` to the holder.
+  w.status.store(detail::lease_status::failed, std::memory_order_release);
+  w.status.notify_all();
+}
+
+}  // namespace
+
 void block_store::fail_waiters(block_record& b, tier_kind t, std::exception_ptr error,
                                std::chrono::steady_clock::time_point requested_by) {
-  for (auto& w : b.waiters) {
-    if (w->tier != t || w->status.load(std::memory_order_relaxed) != detail::lease_status::pending)
-      continue;
-    if (w->requested_at > requested_by) continue;
-    w->error = error;
-    // release: publishes `error` to the holder.
-    w->status.store(detail::lease_status::failed, std::memory_order_release);
-    w->status.notify_all();
-  }
+  for (auto& w : b.waiters)
+    if (pending_in(*w, t) && w->requested_at <= requested_by) fail_lease(*w, error);
 }
 
 bool block_store::waited_on(const block_record& b, tier_kind t) {
-  return std::any_of(b.waiters.begin(), b.waiters.end(), [t](const auto& w) {
-    return w->tier == t && w->waited &&
-           w->status.load(std::memory_order_relaxed) == detail::lease_status::pending;
-  });
+  return std::any_of(b.waiters.begin(), b.waiters.end(),
+                     [t](const auto& w) { return w->waited && pending_in(*w, t); });
 }
 
 void block_store::fail_waited(block_record& b, tier_kind t, std::exception_ptr error) {
-  for (auto& w : b.waiters) {
-    if (w->tier != t || !w->waited ||
-        w->status.load(std::memory_order_relaxed) != detail::lease_status::pending)
-      continue;
-    w->error = error;
-    // release: publishes `error` to the holder.
-    w->status.store(detail::lease_status::failed, std::memory_order_release);
-    w->status.notify_all();
-  }
+  for (auto& w : b.waiters)
+    if (w->waited && pending_in(*w, t)) fail_lease(*w, error);
 }
 
 // ---- room and eviction ------------------------------------------------------------
