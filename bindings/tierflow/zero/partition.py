@@ -104,6 +104,12 @@ def _norm_sq(t: torch.Tensor) -> tuple[float, bool]:
     return sq, math.isfinite(sq)
 
 
+def _no_room(error: BaseException) -> bool:
+    """Whether ``error`` is the single-holder store's refusal of a wait that
+    only the release of a lease held here could end (EDEADLK)."""
+    return isinstance(error, TierflowError) and error.errno == errno.EDEADLK
+
+
 def _placeholder(param: torch.Tensor) -> torch.Tensor:
     """A tensor of ``param``'s shape and dtype that holds one element: what
     ``.data`` is while the parameter lives in the store."""
@@ -272,7 +278,7 @@ class ParamStore:
         except TierflowError as e:
             # The copies this step holds left no piece large enough: release
             # those nothing uses now and try once more (a copy in use cannot move).
-            if e.errno != errno.EDEADLK or not self._release_idle():
+            if not _no_room(e) or not self._release_idle():
                 raise
             lease = self._lease(part.block, "device", "read")
         if part.sharded:
@@ -598,20 +604,16 @@ class _Stepping:
         """``part``'s host copy and gradient leased, or None when the batch
         must end before it (the store refused the room for it)."""
         o = self.owner
-        first = not self.batch
+        pl = None
         try:
             pl = o._lease(part.block, "host", "write")
-        except TierflowError as e:
-            if first or e.errno != errno.EDEADLK:
-                raise
-            return None
-        try:
             return pl, o._lease(part.grad_block, "host", "write")
         except BaseException as e:
-            o._unlease(pl, dirty=False)
-            if first or not isinstance(e, TierflowError) or e.errno != errno.EDEADLK:
-                raise
-            return None
+            if pl is not None:
+                o._unlease(pl, dirty=False)
+            if self.batch and _no_room(e):
+                return None
+            raise
 
     def __enter__(self) -> list[Partition]:
         o = self.owner
