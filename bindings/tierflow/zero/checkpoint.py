@@ -155,16 +155,12 @@ def _write_on_rank0(engine: "Engine", path: str, shapes: list, values: Iterator[
     """Rank 0 writes the safetensors file; every rank draws ``values`` to the
     end, since drawing a sharded parameter gathers it from all of them (a
     write that fails still draws the rest, so no rank waits for ever)."""
-    if engine.group.rank != 0:
-        for _ in values:
-            pass
-        return
     try:
-        write_safetensors(path, shapes, values, {"format": "pt", "producer": "tierflow"})
-    except BaseException:
-        for _ in values:
+        if engine.group.rank == 0:
+            write_safetensors(path, shapes, values, {"format": "pt", "producer": "tierflow"})
+    finally:
+        for _ in values:  # what is left to draw: all of it off rank 0, the rest after a failed write
             pass
-        raise
 
 
 def _save_model(engine: "Engine", path: str) -> None:
