@@ -22,26 +22,36 @@ constexpr std::uint64_t unbounded_nvme = 1ull << 60;
 
 }  // namespace
 
-offloaded_state::offloaded_state(const std::string& nvme_dir,
-                                 const std::variant<std::uint64_t, std::string>& host_memory_given,
-                                 std::uint64_t file_size, std::vector<std::string> key_names,
-                                 const std::string& minimum_note) {
-  const std::uint64_t host_memory = std::holds_alternative<std::string>(host_memory_given)
-                                        ? parse_size(std::get<std::string>(host_memory_given), "host_memory")
-                                        : std::get<std::uint64_t>(host_memory_given);
-  if (host_memory < minimum_host_memory)
-    throw user_error("host_memory: " + format_bytes(double(host_memory)) + " is below the minimum of " +
-                     format_bytes(double(minimum_host_memory)) + minimum_note);
-  host_memory_ = host_memory / block_alignment * block_alignment;
-  const std::uint64_t sub_group = host_memory_ / sub_groups_in_budget / block_alignment * block_alignment;
+std::uint64_t host_memory_of(const std::variant<std::uint64_t, std::string>& given, std::uint64_t minimum,
+                             const std::string& minimum_note) {
+  const std::uint64_t bytes = std::holds_alternative<std::string>(given)
+                                  ? parse_size(std::get<std::string>(given), "host_memory")
+                                  : std::get<std::uint64_t>(given);
+  if (bytes < minimum)
+    throw user_error("host_memory: " + format_bytes(double(bytes)) + " is below the minimum of " +
+                     format_bytes(double(minimum)) + minimum_note);
+  return bytes / block_alignment * block_alignment;
+}
+
+std::unique_ptr<block_store> make_offload_store(const std::string& nvme_dir, std::uint64_t host_memory,
+                                                std::uint64_t file_size) {
   tiers::store_config config;
-  config.host = tiers::host_tier_options{.budget = host_memory_};
+  config.host = tiers::host_tier_options{.budget = host_memory};
   config.nvme = tiers::nvme_tier_options{.directory = nvme_dir,
                                          .budget = unbounded_nvme,
                                          .file_size = std::max<std::uint64_t>(aligned_size(file_size), block_alignment)};
   config.store.trace = false;  // a trace grows with every transfer: not for a training run's life
+  return tiers::make_store(std::move(config));
+}
+
+offloaded_state::offloaded_state(const std::string& nvme_dir,
+                                 const std::variant<std::uint64_t, std::string>& host_memory_given,
+                                 std::uint64_t file_size, std::vector<std::string> key_names,
+                                 const std::string& minimum_note) {
+  host_memory_ = host_memory_of(host_memory_given, minimum_host_memory, minimum_note);
+  const std::uint64_t sub_group = host_memory_ / sub_groups_in_budget / block_alignment * block_alignment;
   nb::gil_scoped_release unlocked;  // maps and touches the host budget, opens the directory
-  store_ = tiers::make_store(std::move(config));
+  store_ = make_offload_store(nvme_dir, host_memory_, file_size);
   state_ = std::make_unique<streamed_state>(*store_, std::move(key_names),
                                             streamed_state_options{.sub_group_bytes = sub_group});
   nvme_dir_ = nvme_dir;

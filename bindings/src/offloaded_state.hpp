@@ -33,6 +33,18 @@ inline constexpr std::uint64_t sub_groups_in_budget = 4;
 // classes check one number.
 inline constexpr std::uint64_t minimum_host_memory = 64 << 10;
 
+// The host budget `given` ("2G" as the CLI's size flags read it, or a byte
+// count) in bytes, rounded down to a page. Refused below `minimum`, with
+// `minimum_note` ending the message.
+std::uint64_t host_memory_of(const std::variant<std::uint64_t, std::string>& given, std::uint64_t minimum,
+                             const std::string& minimum_note);
+// A store of a pinned host tier of `host_memory` bytes (a page multiple) and
+// an NVMe tier of files of `file_size` in `nvme_dir`, bounded by the
+// filesystem's free space alone (ENOSPC names the file), without a trace.
+// Maps and touches the budget: call it with the GIL released.
+std::unique_ptr<block_store> make_offload_store(const std::string& nvme_dir, std::uint64_t host_memory,
+                                                std::uint64_t file_size);
+
 class offloaded_state {
  public:
   // Makes the store of `nvme_dir` and `host_memory_given` ("2G" as the CLI's

@@ -1,7 +1,8 @@
 // tierflow._core.ZenFlowEngine: the C++ ZenFlow engine (core/zenflow) over a
 // model's parameters handed in as DLPack views, with optim's zenflow_rule
 // (AdamW / Adam by columns, Muon whole-matrix) and the host's state in host
-// memory.
+// memory, or on NVMe (nvme_dir: zenflow::streamed_host_state over a store of
+// its own, the host budget holding a few weights' state at a time).
 //
 // CPU parameters (fp32, C-contiguous): the device side is
 // zenflow::cpu_device over the tensors themselves, each step's gradients
@@ -11,6 +12,10 @@
 // memory (Adam only), the host's master an fp32 copy. That path compiles in
 // every CUDA build but has not been run from Python here: no GPU was at
 // hand when it was written.
+//
+// With nvme_dir the host's master values and state are blocks in files
+// there, streamed through `host_memory` bytes of pinned memory by every CPU
+// step; the host's master is then always its own copy, as with overlap_step.
 //
 // Layout: a parameter of shape (out, in, ...) is the engine's weight of
 // rows = in·... and cols = out (column c is the contiguous row c of the
@@ -34,17 +39,20 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 #include <nlohmann/json.hpp>
 
 #include "arrays.hpp"
 #include "bindings.hpp"
+#include "offloaded_state.hpp"
 #include "tierflow/core/affinity.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/zenflow/config.hpp"
 #include "tierflow/core/zenflow/cpu_device.hpp"
 #include "tierflow/core/zenflow/engine.hpp"
 #include "tierflow/core/zenflow/standin.hpp"
+#include "tierflow/core/zenflow/streamed_host_state.hpp"
 #include "tierflow/optim/executor.hpp"
 #include "tierflow/optim/zenflow_cuda.hpp"
 #include "tierflow/optim/zenflow_rule.hpp"
@@ -112,12 +120,26 @@ zenflow::weight_shape weight_of(const std::string& name, const any_array& a) {
 
 std::span<float> floats(const any_array& a) { return {static_cast<float*>(a.data()), a.size()}; }
 
+using size_given = std::variant<std::uint64_t, std::string>;
+
+// Where the host's state goes: host memory, or the files of `dir` through a
+// host budget.
+struct host_placement {
+  std::optional<std::string> dir;
+  std::optional<size_given> host_memory;
+  std::uint64_t file_size = 0;
+};
+
 class zenflow_engine {
  public:
   zenflow_engine(std::vector<any_array> params, std::vector<std::string> names, nb::handle config,
                  std::vector<std::size_t> groups, std::vector<bool> muon, std::optional<int> threads,
-                 std::optional<std::vector<any_array>> masters, std::uintptr_t stream)
+                 std::optional<std::vector<any_array>> masters, std::uintptr_t stream,
+                 std::optional<std::string> nvme_dir, std::optional<size_given> host_memory, std::uint64_t file_size)
       : params_(std::move(params)) {
+    const host_placement placement{std::move(nvme_dir), std::move(host_memory), file_size};
+    if (!placement.dir && placement.host_memory)
+      throw user_error("host_memory: the host budget is for state on NVMe; give nvme_dir too");
     const std::size_t n = params_.size();
     if (n == 0) throw user_error("params: no parameters to optimize");
     if (names.size() != n || groups.size() != n || muon.size() != n)
@@ -155,17 +177,13 @@ class zenflow_engine {
       for (const any_array& p : params_) views.push_back(floats(p));
       cpu_ = std::make_unique<zenflow::cpu_device>(weights_, *rule_, views);
       device_ = cpu_.get();
-      if (config_.overlap_step) {
-        host_ = std::make_unique<zenflow::memory_host_state>(weights_, rule_->state_count());
-        for (std::size_t w = 0; w < n; ++w) {
-          const auto from = views[w];
-          std::copy(from.begin(), from.end(), host_->buffers(w).param.begin());
-        }
+      if (placement.dir || config_.overlap_step) {
+        make_host_state({views.begin(), views.end()}, placement);
       } else {
         host_ = std::make_unique<zenflow::memory_host_state>(weights_, rule_->state_count(), views);
       }
     } else {
-      make_cuda_device(masters, stream, cores);
+      make_cuda_device(masters, stream, cores, placement);
     }
     engine_ = std::make_unique<zenflow::engine>(config_, weights_, *device_, *host_, *rule_);
   }
@@ -293,7 +311,23 @@ class zenflow_engine {
     out["optimizer_cpus"] = engine_->cores().optimizer;
     out["trainer_cpus"] = engine_->cores().trainer;
     out["device"] = cuda_ ? "cuda" : "cpu";
+    out["host_state"] = store_ ? "nvme" : "cpu";
     return out;
+  }
+
+  // With the state on NVMe: its directory, the host budget, the bytes of its
+  // files' blocks and the store's counters (None otherwise).
+  std::optional<std::string> nvme_dir() const { return store_ ? std::optional(nvme_dir_) : std::nullopt; }
+  std::optional<std::uint64_t> host_memory() const {
+    return store_ ? std::optional(host_memory_) : std::nullopt;
+  }
+  std::optional<std::uint64_t> nvme_bytes() {
+    if (!store_) return std::nullopt;
+    return static_cast<zenflow::streamed_host_state&>(*host_).home_bytes();
+  }
+  nb::object telemetry() {
+    if (!store_) return nb::none();
+    return nb::module_::import_("json").attr("loads")(store_->telemetry_json());
   }
 
   std::vector<std::uint32_t> selected(std::size_t w) {
@@ -373,8 +407,36 @@ class zenflow_engine {
                        " weights)");
   }
 
+  // The host's state apart from the parameters, its master values
+  // `initial`: in host memory, or streamed from the files of placement.dir.
+  void make_host_state(std::vector<std::span<const float>> initial, const host_placement& placement) {
+    if (!placement.dir) {
+      auto own = std::make_unique<zenflow::memory_host_state>(weights_, rule_->state_count());
+      for (std::size_t w = 0; w < weights_.size(); ++w)
+        std::copy(initial[w].begin(), initial[w].end(), own->buffers(w).param.begin());
+      host_ = std::move(own);
+      return;
+    }
+    // By default room for four weights of the largest (one worked on, the
+    // next loading, the last writing back, one spare), or the whole state.
+    std::uint64_t largest = 0, total = 0;
+    for (const zenflow::weight_shape& w : weights_) {
+      if (!w.matrix()) continue;
+      const std::uint64_t bytes = zenflow::streamed_host_state::weight_bytes(w, rule_->state_count());
+      largest = std::max(largest, bytes);
+      total += bytes;
+    }
+    const std::uint64_t fallback = std::max<std::uint64_t>(std::min(total, 4 * largest), block_alignment);
+    host_memory_ = host_memory_of(placement.host_memory.value_or(size_given(fallback)), block_alignment,
+                                  " (ZenFlow's state on NVMe streams through host memory)");
+    nvme_dir_ = *placement.dir;
+    nb::gil_scoped_release unlocked;  // maps the budget, opens the directory, writes the initial state
+    store_ = make_offload_store(nvme_dir_, host_memory_, placement.file_size);
+    host_ = std::make_unique<zenflow::streamed_host_state>(*store_, weights_, rule_->state_count(), initial);
+  }
+
   void make_cuda_device(const std::optional<std::vector<any_array>>& masters, std::uintptr_t stream,
-                        const core_split& cores) {
+                        const core_split& cores, const host_placement& placement) {
     for (std::size_t w = 0; w < weights_.size(); ++w) {
       if (kinds_[w] == optim::optimizer_kind::muon)
         throw user_error("params[" + std::to_string(w) +
@@ -393,7 +455,7 @@ class zenflow_engine {
     options.host_cpus = cores.trainer;
     cuda_device_ = std::make_unique<optim::cuda_zenflow_device>(weights_, std::move(tensors), options);
     device_ = cuda_device_.get();
-    host_ = std::make_unique<zenflow::memory_host_state>(weights_, rule_->state_count());
+    std::vector<std::span<const float>> initial;
     for (std::size_t w = 0; w < weights_.size(); ++w) {
       const any_array& m = (*masters)[w];
       const std::string what = "masters[" + std::to_string(w) + "]";
@@ -401,8 +463,9 @@ class zenflow_engine {
         throw user_error(what + ": the fp32 master values on the CPU, as many as the parameter has");
       const std::span<const float> values(static_cast<const float*>(m.data()), m.size());
       cuda_device_->initialize(w, values);
-      std::copy(values.begin(), values.end(), host_->buffers(w).param.begin());
+      initial.push_back(values);
     }
+    make_host_state(std::move(initial), placement);
   }
 
   // This step's gradients, checked, handed to the device side.
@@ -471,7 +534,10 @@ class zenflow_engine {
   bool cuda_ = false;
   std::unique_ptr<optim::executor> host_threads_, device_threads_;
   std::unique_ptr<optim::zenflow_rule> rule_;
-  std::unique_ptr<zenflow::memory_host_state> host_;
+  std::unique_ptr<block_store> store_;  // the host state's, on NVMe; outlives host_
+  std::string nvme_dir_;
+  std::uint64_t host_memory_ = 0;
+  std::unique_ptr<zenflow::host_state> host_;
   std::unique_ptr<zenflow::cpu_device> cpu_;
   std::unique_ptr<optim::cuda_zenflow_device> cuda_device_;
   zenflow::device_side* device_ = nullptr;
@@ -515,14 +581,19 @@ void bind_zenflow(nb::module_& m) {
       "CUDA build, not yet run from Python). Methods release the GIL while the engine works.\n"
       "Bad arguments, bad zenflow keys or values raise ValueError naming them.")
       .def(nb::init<std::vector<any_array>, std::vector<std::string>, nb::handle, std::vector<std::size_t>,
-                    std::vector<bool>, std::optional<int>, std::optional<std::vector<any_array>>, std::uintptr_t>(),
+                    std::vector<bool>, std::optional<int>, std::optional<std::vector<any_array>>, std::uintptr_t,
+                    std::optional<std::string>, std::optional<size_given>, std::uint64_t>(),
            "params"_a, "names"_a, "config"_a, "groups"_a, "muon"_a, nb::kw_only(), "threads"_a.none() = nb::none(),
-           "masters"_a.none() = nb::none(), "stream"_a = 0,
+           "masters"_a.none() = nb::none(), "stream"_a = 0, "nvme_dir"_a.none() = nb::none(),
+           "host_memory"_a.none() = nb::none(), "file_size"_a = 0,
            "`config` holds DeepSpeed's zero_optimization.zenflow keys (and importance_norm,\n"
            "steps_per_epoch). groups[i] is parameter i's group (set_group); muon[i] marks a 2-D\n"
            "parameter for Muon. threads: the CPU step's threads (default: the optimizer's share of\n"
            "the CPUs, pt_reserved_cores_perc). CUDA parameters need `masters` (fp32 CPU copies)\n"
-           "and `stream` (the trainer's cudaStream_t as an int).")
+           "and `stream` (the trainer's cudaStream_t as an int). nvme_dir puts the host's master\n"
+           "values and state in files there (of file_size bytes), streamed a weight at a time\n"
+           "through host_memory bytes of pinned memory (bytes or '2G'; at least the largest\n"
+           "matrix's master and state; default: four of those, or the whole state if smaller).")
       .def("set_group", &zenflow_engine::set_group, "group"_a, nb::kw_only(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
            "weight_decay"_a, "decoupled"_a, "muon_momentum"_a = 0.95, "muon_nesterov"_a = true,
            "muon_adjust_lr_fn"_a = "match_rms_adamw", "muon_ns_steps"_a = 5,
@@ -543,7 +614,13 @@ void bind_zenflow(nb::module_& m) {
            "hold the newest values (before evaluation or a checkpoint).")
       .def("stats", &zenflow_engine::stats, "The step counts (steps, host_steps: a restored run's included) and this engine's counters:\n"
            "steps run, CPU steps, refreshes, time waited for the CPU step and spent in it.")
-      .def("schedule", &zenflow_engine::schedule, "The resolved schedule and the CPU split.")
+      .def("schedule", &zenflow_engine::schedule, "The resolved schedule, the CPU split and where the host state is.")
+      .def_prop_ro("nvme_dir", &zenflow_engine::nvme_dir, "The host state's directory (on NVMe), else None.")
+      .def_prop_ro("host_memory", &zenflow_engine::host_memory,
+                   "The host budget the state streams through, in bytes (on NVMe), else None.")
+      .def_prop_ro("nvme_bytes", &zenflow_engine::nvme_bytes, "The bytes of the state's blocks on NVMe, else None.")
+      .def("telemetry", &zenflow_engine::telemetry,
+           "With the state on NVMe, the store's counters (per tier and link); else None.")
       .def("selected", &zenflow_engine::selected, "index"_a,
            "The device-owned columns (output units) of parameter `index`.")
       .def("parameter_address", &zenflow_engine::parameter_address, "index"_a,

@@ -1,6 +1,7 @@
 // ZenFlow's CPU device over the trainer's own buffers against the stand-in,
-// and the engine's checkpoints: a run resumed from one against the run that
-// went on.
+// the host's state streamed from NVMe against the same state in memory, and
+// the engine's checkpoints: a run resumed from one against the run that went
+// on.
 #include "tierflow/core/zenflow/cpu_device.hpp"
 
 #include <algorithm>
@@ -11,9 +12,13 @@
 
 #include <gtest/gtest.h>
 
+#include "../cli/temp_dir.hpp"
 #include "tierflow/core/error.hpp"
+#include "tierflow/core/store.hpp"
 #include "tierflow/core/zenflow/engine.hpp"
 #include "tierflow/core/zenflow/standin.hpp"
+#include "tierflow/core/zenflow/streamed_host_state.hpp"
+#include "tierflow/tiers/tiers.hpp"
 #include "zenflow_test_support.hpp"
 
 namespace tierflow::zenflow {
@@ -90,25 +95,34 @@ struct standin_run {
 
 // The CPU device over buffers this test owns, as a trainer's: the host's
 // master values are the parameters themselves without overlap_step, its own
-// copy with it; each step's gradient is a new buffer.
+// copy with it, or blocks streamed from `store`'s NVMe tier when a store is
+// given; each step's gradient is a new buffer.
 struct cpu_run {
   std::vector<weight_shape> weights = model();
   adam_rule rule;
   std::vector<std::vector<float>> params;
   std::vector<std::vector<float>> grads;
-  std::unique_ptr<memory_host_state> host;
+  std::unique_ptr<host_state> host;
+  memory_host_state* memory = nullptr;  // host, when it is in memory
   std::unique_ptr<cpu_device> device;
   std::unique_ptr<engine> eng;
-  explicit cpu_run(const config& c) {
+  explicit cpu_run(const config& c, block_store* store = nullptr) {
     std::vector<std::span<float>> views;
     for (std::size_t w = 0; w < weights.size(); ++w) params.push_back(initial(w, weights[w].elements()));
     for (auto& p : params) views.emplace_back(p);
-    if (c.overlap_step) {
-      host = std::make_unique<memory_host_state>(weights, 2);
+    if (store != nullptr) {
+      const std::vector<std::span<const float>> values(views.begin(), views.end());
+      host = std::make_unique<streamed_host_state>(*store, weights, 2, values);
+    } else if (c.overlap_step) {
+      auto own = std::make_unique<memory_host_state>(weights, 2);
       for (std::size_t w = 0; w < weights.size(); ++w)
-        std::copy(params[w].begin(), params[w].end(), host->buffers(w).param.begin());
+        std::copy(params[w].begin(), params[w].end(), own->buffers(w).param.begin());
+      memory = own.get();
+      host = std::move(own);
     } else {
-      host = std::make_unique<memory_host_state>(weights, 2, views);
+      auto over_params = std::make_unique<memory_host_state>(weights, 2, views);
+      memory = over_params.get();
+      host = std::move(over_params);
     }
     device = std::make_unique<cpu_device>(weights, rule, views);
     eng = std::make_unique<engine>(c, weights, *device, *host, rule);
@@ -193,7 +207,7 @@ TEST(ZenflowCheckpoint, ReadStateRebasesTheHostsColumnsToTheDevicesCount) {
   const auto out = r.buffers(m, v, p);
   r.eng->read_state(out);
   const weight_shape& shape = r.weights[0];
-  const auto host = r.host->buffers(0);
+  const auto host = r.memory->buffers(0);
   std::size_t host_columns = 0;
   for (std::uint32_t col = 0; col < shape.cols; ++col) {
     for (std::uint64_t row = 0; row < shape.rows; ++row) {
@@ -222,7 +236,86 @@ TEST(ZenflowCheckpoint, ReadStateRebasesTheHostsColumnsToTheDevicesCount) {
   EXPECT_EQ(v2, v);
 }
 
-void expect_resumes(const config& c, std::uint64_t before, std::uint64_t after, bool exact) {
+// A store of a pinned host tier of `host_budget` bytes and an NVMe tier in `dir`.
+std::unique_ptr<block_store> make_store(const std::string& dir, std::uint64_t host_budget) {
+  tiers::store_config s;
+  s.host = tiers::host_tier_options{.budget = host_budget, .pin = tiers::pinning::none, .touch_threads = 1};
+  s.nvme = tiers::nvme_tier_options{.directory = dir + "/nvme", .budget = 64ull << 20, .file_size = 1ull << 20};
+  s.store.trace = false;
+  return tiers::make_store(std::move(s));
+}
+
+std::uint64_t link_bytes(const block_store& store, const std::string& name) {
+  for (const auto& l : store.telemetry().links) {
+    if (l.name == name) return l.bytes;
+  }
+  ADD_FAILURE() << "no link " << name;
+  return 0;
+}
+
+// Each of model()'s three matrices takes a page per buffer (12 KiB with
+// Adam's two states): a budget of two of them holds less than the state.
+constexpr std::uint64_t two_weights = 2 * 3 * 4096;
+
+TEST(ZenflowStreamedHost, StepsBitForBitAsTheStateInMemory) {
+  for (const config& c : configs()) {
+    testing::temp_dir dir;
+    auto store = make_store(dir.path(), two_weights);
+    cpu_run a(c);
+    cpu_run b(c, store.get());
+    const auto& streamed = static_cast<const streamed_host_state&>(*b.host);
+    ASSERT_EQ(streamed.largest_weight_bytes(), 3 * 4096u);
+    ASSERT_GT(streamed.home_bytes(), two_weights);  // it cannot all be in host memory
+    for (std::uint64_t s = 0; s < 40; ++s) {
+      const snapshot x = a.step(s), y = b.step(s);
+      for (std::size_t w = 0; w < x.size(); ++w)
+        ASSERT_EQ(x[w], y[w]) << "step " << s << " weight " << w << " overlap " << c.overlap_step;
+    }
+    a.eng->finish();
+    b.eng->finish();
+    EXPECT_EQ(a.params, b.params);
+    std::vector<std::vector<float>> ma, va, pa, mb, vb, pb;
+    a.eng->read_state(a.buffers(ma, va, pa));
+    b.eng->read_state(b.buffers(mb, vb, pb));
+    EXPECT_EQ(ma, mb);
+    EXPECT_EQ(va, vb);
+    EXPECT_EQ(pa, pb);
+    const store_telemetry t = store->telemetry();
+    for (const auto& tier : t.tiers) {
+      if (tier.kind == tier_kind::host) {
+        EXPECT_LE(tier.high_water, two_weights);
+      }
+    }
+    EXPECT_GT(link_bytes(*store, "nvme->host"), 0u) << "the state never came from NVMe";
+    EXPECT_GT(streamed.totals().bytes, 0u);
+  }
+}
+
+TEST(ZenflowStreamedHost, RefusesAHostBudgetBelowTheLargestWeight) {
+  testing::temp_dir dir;
+  auto store = make_store(dir.path(), 2 * 4096);
+  const std::vector<weight_shape> weights = model();
+  std::vector<std::vector<float>> values;
+  for (std::size_t w = 0; w < weights.size(); ++w) values.push_back(initial(w, weights[w].elements()));
+  const std::vector<std::span<const float>> spans(values.begin(), values.end());
+  try {
+    streamed_host_state host(*store, weights, 2, spans);
+    FAIL() << "a budget of two pages took buffers of three";
+  } catch (const user_error& e) {
+    EXPECT_NE(std::string(e.what()).find("\"w0\""), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("give at least"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(store->block_count(), 0u);  // refused before any block was made
+  auto short_values = spans;
+  short_values[2] = short_values[2].first(3);
+  testing::temp_dir other;
+  auto roomy = make_store(other.path(), two_weights);
+  EXPECT_THROW(streamed_host_state(*roomy, weights, 2, short_values), user_error);
+  EXPECT_THROW(streamed_host_state(*roomy, weights, 3, spans), user_error);
+}
+
+void expect_resumes(const config& c, std::uint64_t before, std::uint64_t after, bool exact,
+                    block_store* store = nullptr) {
   cpu_run a(c);
   for (std::uint64_t s = 0; s < before; ++s) a.step(s);
   a.eng->finish();
@@ -231,13 +324,10 @@ void expect_resumes(const config& c, std::uint64_t before, std::uint64_t after, 
   const auto state = a.buffers(m, v, p);
   a.eng->read_state(state);
 
-  // A new run over the same parameters, resumed from the checkpoint.
-  cpu_run b(c);
+  // A new run over the same parameters, resumed from the checkpoint (which
+  // writes the host's master values too).
+  cpu_run b(c, store);
   for (std::size_t w = 0; w < a.weights.size(); ++w) b.params[w] = a.params[w];
-  if (c.overlap_step) {
-    for (std::size_t w = 0; w < b.weights.size(); ++w)
-      std::copy(b.params[w].begin(), b.params[w].end(), b.host->buffers(w).param.begin());
-  }
   b.rule.begun = saved.host_steps;
   const std::vector<std::int64_t> counts(b.weights.size(), static_cast<std::int64_t>(saved.steps));
   b.eng->restore(saved, state, counts);
@@ -268,6 +358,12 @@ TEST(ZenflowCheckpoint, AResumedRunMatchesTheOneThatWentOn) {
   expect_resumes(step_config(0.25, 4, 8, false), 14, 30, /*exact=*/false);
   expect_resumes(step_config(0.25, 4, 8, true), 14, 30, /*exact=*/false);
   expect_resumes(step_config(0.3, 2, 4, true, 3), 2, 12, /*exact=*/false);  // from inside the warm-up
+  // Into a run whose host state is on NVMe.
+  testing::temp_dir dir, dir2;
+  auto store = make_store(dir.path(), two_weights);
+  expect_resumes(step_config(0.25, 1, 3, false), 10, 20, /*exact=*/true, store.get());
+  auto other = make_store(dir2.path(), two_weights);
+  expect_resumes(step_config(0.25, 4, 8, true), 14, 30, /*exact=*/false, other.get());
 }
 
 TEST(ZenflowCheckpoint, AStateWithoutSelectionStartsOneFreshAtItsCount) {

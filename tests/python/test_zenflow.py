@@ -480,3 +480,78 @@ def test_the_engine_splits_a_step_as_a_trainer_overlapping_the_next_forward_does
         eb.step()
     with pytest.raises(ValueError, match=r"grads\[0\] \(\"w0\"\): 3 elements"):
         eb.step([torch.zeros(3)] + [p.grad for p in b.parameters()][1:])
+
+
+# ---- offload="nvme": the host's masters and moments in files, streamed ----------------
+
+# make_model()'s matrices: (48, 32) and (8, 48), 12 bytes an element for the
+# master and the two moments: 18 KiB and 4.5 KiB, each rounded up to pages
+# (24 KiB and 12 KiB). A budget of 28 KiB holds the larger one, never both.
+SMALL_BUDGET = 28 << 10
+
+
+@pytest.mark.parametrize("config", [
+    {**EXACT, "topk_ratio": 0.25},
+    {"topk_ratio": 0.25, "update_interval": 3, "select_strategy": "step", "select_interval": 4, "overlap_step": True},
+])
+def test_state_on_nvme_steps_bit_for_bit_as_in_memory_and_leaves_no_files(tmp_path, config):
+    xs, ys = make_data(14)
+    a, b = make_model(), make_model()
+    in_memory = ZenFlow(a.parameters(), lr=1e-2, zenflow=config)
+    on_nvme = ZenFlow(b.parameters(), lr=1e-2, zenflow=config, offload="nvme", nvme_dir=tmp_path,
+                      host_memory=SMALL_BUDGET)
+    assert train(a, in_memory, xs, ys) == train(b, on_nvme, xs, ys)
+    in_memory.finish()
+    on_nvme.finish()
+    assert_params_equal(a, b, "nvme")
+    ours, theirs = on_nvme.state_dict(), in_memory.state_dict()
+    for i, entry in theirs["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(ours["state"][i][key], value), f"state {i} {key}"
+    t = on_nvme.telemetry()
+    host = next(tier for tier in t["tiers"] if tier["kind"] == "host")
+    assert host["budget_bytes"] == SMALL_BUDGET and host["high_water_bytes"] <= SMALL_BUDGET
+    read = next(link["bytes"] for link in t["links"] if link["name"] == "nvme->host")
+    assert read > 0, "the state never came from its files"
+    assert on_nvme.host_memory == SMALL_BUDGET and on_nvme.nvme_dir == str(tmp_path)
+    assert list(tmp_path.iterdir())
+    on_nvme.close()
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(RuntimeError, match="closed"):
+        on_nvme.step()
+
+
+def test_state_on_nvme_resumes_from_its_state_dict_and_deep_copies(tmp_path):
+    config = {**EXACT, "topk_ratio": 0.25}
+    xs, ys = make_data(12)
+    model = make_model()
+    opt = ZenFlow(model.parameters(), lr=1e-2, zenflow=config, offload="nvme", nvme_dir=tmp_path / "a")
+    train(model, opt, xs[:5], ys[:5])
+    saved = opt.state_dict()
+    resumed_model = copy.deepcopy(model)
+    copied = copy.deepcopy({"model": model, "opt": opt})  # its own files, beside the original's
+    train(model, opt, xs[5:], ys[5:])
+    resumed = ZenFlow(resumed_model.parameters(), lr=1e-2, zenflow=config, offload="nvme", nvme_dir=tmp_path / "b")
+    resumed.load_state_dict(saved)
+    train(resumed_model, resumed, xs[5:], ys[5:])
+    train(copied["model"], copied["opt"], xs[5:], ys[5:])
+    for other in (resumed_model, copied["model"]):
+        assert_params_equal(model, other, "resumed")  # update_interval 1: bit for bit
+    assert copied["opt"].offload == "nvme" and copied["opt"].nvme_dir == str(tmp_path / "a")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"offload": "nvme", "nvme_dir": None}, "nvme_dir: offload='nvme' needs the directory"),
+    ({"offload": "disk"}, "Invalid offload: 'disk'"),
+    ({"host_memory": "1G"}, "host_memory is used only with offload='nvme'"),
+    ({"offload": "nvme", "host_memory": 16 << 10}, '"0.weight" needs 24.00 KiB of host memory'),
+])
+def test_bad_placements_raise_value_error_naming_them(tmp_path, kwargs, message):
+    model = make_model()
+    if kwargs.get("offload") == "nvme" and "nvme_dir" not in kwargs:
+        kwargs = {**kwargs, "nvme_dir": tmp_path}
+    names = [n for n, _ in model.named_parameters()]
+    with pytest.raises(ValueError) as raised:
+        opt = ZenFlow([{"params": list(model.parameters()), "param_names": names}], **kwargs)
+        train(model, opt, *make_data(1))
+    assert message in str(raised.value)

@@ -267,7 +267,9 @@ def _parse_state_dtype(state_dtype: Any) -> torch.dtype:
                          "torch.bfloat16)") from None
 
 
-def _check_offload(offload: Any, nvme_dir: Any, host_memory: Any) -> None:
+def _check_offload(offload: Any, nvme_dir: Any, host_memory: Any, minimum: int = _MIN_HOST_MEMORY) -> None:
+    """Refuses a bad placement by name: offload, nvme_dir and host_memory
+    (bytes, at least ``minimum``, or a size the extension reads)."""
     if offload not in _OFFLOADS:
         raise ValueError(f"Invalid offload: {offload!r} (one of 'cpu', 'nvme')")
     if offload == "cpu":
@@ -283,8 +285,8 @@ def _check_offload(offload: Any, nvme_dir: Any, host_memory: Any) -> None:
         return  # a size such as "2G" is read by the extension, as the CLI reads its flags
     if isinstance(host_memory, bool) or not isinstance(host_memory, int):
         raise ValueError(f"Invalid host_memory: {host_memory!r} (bytes, a size such as '2G', or None)")
-    if host_memory < _MIN_HOST_MEMORY:
-        raise ValueError(f"Invalid host_memory: {host_memory} (at least {_MIN_HOST_MEMORY} bytes)")
+    if host_memory < minimum:
+        raise ValueError(f"Invalid host_memory: {host_memory} (at least {minimum} bytes)")
 
 
 class _NvmeState:

@@ -10,16 +10,17 @@ torch.optim.AdamW.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Literal
 
 import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from tierflow import _core
-from tierflow.torch.optim.adam import _check_hyper_parameters, _scalar
+from tierflow.torch.optim.adam import _PAGE, _check_hyper_parameters, _check_offload, _scalar
 from tierflow.torch.optim.muon import _ADJUST_LR_FNS, muon_param_groups
 
 __all__ = ["ZenFlow"]
@@ -123,6 +124,16 @@ class ZenFlow(Optimizer):
       ``torch.set_num_threads(len(opt.schedule["trainer_cpus"]))``, or
       torch's intra-op threads spin on the optimizer's CPUs (on a 2-CPU
       machine a 0.2 s run of the tests took seconds so).
+    * ``offload``: where the host side's fp32 master values and moments
+      live: ``"cpu"`` (host memory, the default, as DeepSpeed's ZenFlow
+      keeps them) or ``"nvme"``: in files under ``nvme_dir``, streamed a
+      weight at a time through ``host_memory`` bytes of pinned memory by
+      every host step (bytes or a size such as ``"512M"``; at least the
+      largest matrix's master and moments, 12 bytes an element; default four
+      of those, or the whole state if smaller). The selected columns' state
+      and the window's summed gradients stay in memory. The files are removed
+      when the optimizer is freed or :meth:`close` d; :meth:`telemetry`
+      gives the store's counters.
 
     :attr:`schedule` is the resolved schedule and the CPU split, known from
     the construction on.
@@ -194,8 +205,13 @@ class ZenFlow(Optimizer):
         muon_momentum: float = 0.95,
         muon_adjust_lr_fn: str = "match_rms_adamw",
         threads: int | None = None,
+        offload: Literal["cpu", "nvme"] = "cpu",
+        nvme_dir: str | os.PathLike | None = None,
+        host_memory: int | str | None = None,
     ) -> None:
         _check_hyper_parameters(lr, betas, eps, weight_decay, foreach, capturable)
+        # The least that works depends on the largest matrix: the engine says it, naming the matrix.
+        _check_offload(offload, nvme_dir, host_memory, minimum=_PAGE)
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise ValueError(f"Invalid threads: {threads!r} (a positive int, or None)")
         if not 0.0 <= muon_momentum < 1.0:
@@ -207,6 +223,10 @@ class ZenFlow(Optimizer):
         self.zenflow_config: dict[str, Any] = dict(zenflow or {})
         self.schedule = _core.zenflow_schedule(self.zenflow_config)  # ValueError naming a bad key or value
         self.threads = threads
+        self.offload = offload
+        self._nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)
+        self._host_memory = host_memory
+        self._closed = False
         self.muon_momentum = float(muon_momentum)
         self.muon_adjust_lr_fn = muon_adjust_lr_fn
         defaults = {
@@ -263,6 +283,8 @@ class ZenFlow(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             _check_group(group)
+        if self._closed:
+            raise RuntimeError("ZenFlow.step: the optimizer was closed (its NVMe state is gone)")
         engine = self._engine_for_step()
         if engine is None:
             return loss
@@ -293,6 +315,33 @@ class ZenFlow(Optimizer):
         model, or reading the parameters for anything but the next step."""
         if self._engine is not None:
             self._engine.finish()
+
+    @property
+    def nvme_dir(self) -> str | None:
+        """The directory of the host state's files (offload="nvme"), else None."""
+        return self._nvme_dir
+
+    @property
+    def host_memory(self) -> int | None:
+        """The host budget the state streams through, in bytes, once the engine
+        is made (offload="nvme"), else None."""
+        return None if self._engine is None else self._engine.host_memory
+
+    def telemetry(self) -> dict | None:
+        """With offload="nvme" and the engine made, the store's counters: per
+        tier its budget, use and high-water mark, per link the bytes moved;
+        else None."""
+        return None if self._engine is None else self._engine.telemetry()
+
+    def close(self) -> None:
+        """With offload="nvme", removes the state's files and frees the host
+        budget: the optimizer cannot step or give its state afterwards (take
+        :meth:`state_dict` first to keep it). Freeing the optimizer does the
+        same. Does nothing with offload="cpu"."""
+        if self.offload == "nvme":
+            self._drop_engine()
+            self._pending = None
+            self._closed = True
 
     def zenflow_stats(self) -> dict[str, Any]:
         """The engine's counters (steps, CPU steps, refreshes, waits) and its
@@ -352,7 +401,8 @@ class ZenFlow(Optimizer):
         params = {id(p): p for p in self._all_params()}
         state["state"] = defaultdict(dict, {params[pid]: entry for pid, entry in moments.items()})
         state["tierflow"] = {
-            "zenflow_config": self.zenflow_config, "threads": self.threads,
+            "zenflow_config": self.zenflow_config, "threads": self.threads, "offload": self.offload,
+            "nvme_dir": self._nvme_dir, "host_memory": self._host_memory,
             "muon_momentum": self.muon_momentum, "muon_adjust_lr_fn": self.muon_adjust_lr_fn,
             "muon": [id(p) in self._muon_ids for p in self._all_params()], "zen": zen,
         }
@@ -370,6 +420,8 @@ class ZenFlow(Optimizer):
             return
         # Unpickled or deep-copied: the engine is made again at the next step.
         self.zenflow_config, self.threads = own["zenflow_config"], own["threads"]
+        self.offload, self._nvme_dir = own.get("offload", "cpu"), own.get("nvme_dir")
+        self._host_memory, self._closed = own.get("host_memory"), False
         self.muon_momentum, self.muon_adjust_lr_fn = own["muon_momentum"], own["muon_adjust_lr_fn"]
         self.schedule = _core.zenflow_schedule(self.zenflow_config)
         params = self._all_params()
@@ -463,6 +515,7 @@ class ZenFlow(Optimizer):
             [p.detach() for p in params], names, self.zenflow_config,
             [self._group_of[id(p)] for p in params], [id(p) in self._muon_ids for p in params],
             threads=self.threads, masters=masters, stream=stream,
+            nvme_dir=self._nvme_dir, host_memory=self._host_memory,
         )
         ids = {id(p) for p in params}
         if any(pid in ids for pid in pending):
