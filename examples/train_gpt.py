@@ -52,14 +52,16 @@ The config (train_gpt.json) is a DeepSpeed config as DeepSpeed reads it: ZeRO
 stage 3 with ``offload_param`` and ``offload_optimizer`` on NVMe, the ``aio``
 engine's settings, AdamW with a WarmupCosineLR schedule, two micro-batches per
 step, gradients clipped at norm 1. Its ``tierflow`` section sets the tier
-budgets and turns the trace on. It has no ``zenflow`` section: stage 3's
-ZenFlow keeps the optimizer's state in host memory (``offload_optimizer`` on
-the CPU), and this job streams it from NVMe, beyond its host budget.
+budgets and turns the trace on. It has no ``zenflow`` section: the synchronous
+AdamW step streams the optimizer's state from NVMe, beyond its host budget.
 ``--zenflow`` trains with ZenFlow instead: it adds ``zenflow`` (``topk_ratio``
-0.1, ``update_interval`` 4, ``overlap_step`` true), moves ``offload_optimizer``
-to the CPU (the parameters stay on NVMe), and ``tierflow.host_memory``
-"auto" then adds ZenFlow's host state (its fp32 masters, moments and
-gradient windows: about 35 bytes per parameter at these settings). Values
+0.1, ``update_interval`` 4, ``overlap_step`` true); the parameters and the
+windowed side's masters and moments stay on NVMe (``offload_optimizer``
+"nvme", streamed a weight at a time by each of its CPU steps), and
+``tierflow.host_memory`` "auto" then adds what ZenFlow keeps in host memory
+(the fp32 masters the store is written from, the gradients and their window
+sums, the selected columns' moments: about 23 bytes per parameter at these
+settings) and its stream's budget. Values
 written ``"auto"`` are filled in by this script, as Hugging Face's Trainer
 fills its own, and each is printed with where it came from:
 
@@ -330,22 +332,29 @@ def resolve_config(config: dict[str, Any], *, preset: str, steps: int, device: t
                                               "the training state needs")
         zenflow = zero.get("zenflow") if isinstance(zero, dict) else None
         if isinstance(zenflow, dict):
-            state = zenflow_state_bytes(model_cfg, zenflow)
+            nvme = isinstance(zero.get("offload_optimizer"), dict) and zero["offload_optimizer"].get("device") == "nvme"
+            state = zenflow_state_bytes(model_cfg, zenflow, nvme=nvme)
             fill("tierflow.host_memory", budget + state, f"8 bytes per parameter and ZenFlow's host state, "
                                                          f"{_size(state)}")
         fill("tierflow.host_memory", budget, "8 bytes per parameter")
     return out
 
 
-def zenflow_state_bytes(model_cfg: GPTConfig, zenflow: dict[str, Any]) -> int:
+def zenflow_state_bytes(model_cfg: GPTConfig, zenflow: dict[str, Any], *, nvme: bool) -> int:
     """What ZenFlow keeps in host memory for the model (its fp32 masters,
-    moments and gradient windows), by the engine's own count."""
-    from tierflow.zero.plan import zenflow_host_bytes
+    moments and gradient windows; with ``nvme`` its windowed state is on NVMe
+    and four of the largest matrix's stream through host memory), by the
+    engine's own count."""
+    from tierflow.zero.plan import zenflow_host_bytes, zenflow_nvme_bytes
 
     with torch.device("meta"):  # shapes only, no memory
         shapes = [tuple(p.shape) for p in GPT(model_cfg).parameters()]
-    return sum(zenflow_host_bytes(shapes, float(zenflow.get("topk_ratio", 0.1)),
-                                  bool(zenflow.get("overlap_step", False))))
+    host = sum(zenflow_host_bytes(shapes, float(zenflow.get("topk_ratio", 0.1)),
+                                  bool(zenflow.get("overlap_step", False)), nvme=nvme))
+    if not nvme:
+        return host
+    on_nvme, largest = zenflow_nvme_bytes(shapes)
+    return host + min(on_nvme, 4 * largest)
 
 
 # ZenFlow's settings for --zenflow: DeepSpeed ZenFlow's example values.
@@ -362,11 +371,6 @@ def with_zenflow(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if zero.get("zenflow") is None:
         zero["zenflow"] = dict(ZENFLOW)
         notes.append(f"zero_optimization.zenflow = {json.dumps(ZENFLOW)} (--zenflow)")
-    optimizer = zero.get("offload_optimizer")
-    if not isinstance(optimizer, dict) or optimizer.get("device") != "cpu":
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        notes.append('zero_optimization.offload_optimizer = {"device": "cpu"} (--zenflow: ZenFlow\'s state is in '
-                     "host memory)")
     return config, notes
 
 
@@ -523,7 +527,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nvme-dir", type=Path, help="the NVMe tier's directory (default: a fresh one under /var/tmp)")
     p.add_argument("--keep", action="store_true", help="keep the fresh NVMe directory at exit")
     p.add_argument("--zenflow", action="store_true",
-                   help="train with ZenFlow at stage 3 (its state in host memory, the parameters on NVMe)")
+                   help="train with ZenFlow at stage 3 (the parameters and the windowed state on NVMe)")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps: {args.steps} is not ≥ 1")

@@ -6,8 +6,8 @@
 # files in that directory, device and host budgets below what the training
 # state needs; on this machine's GPU when it has one, else on the device's host
 # stand-in) beside the same training with torch.optim.AdamW in memory; then
-# the same model with ZenFlow at stage 3 (its state in host memory, the
-# parameters on NVMe). The loss plots, the Perfetto traces and the
+# the same model with ZenFlow at stage 3 (the parameters and ZenFlow's
+# windowed state on NVMe). The loss plots, the Perfetto traces and the
 # checkpoints land in build/train_gpt_out/ and build/train_gpt_out/zenflow/.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -17,10 +17,11 @@ are its own), one at a time:
       default DeepSpeed's 5e7), to show whether it runs;
   (c) tierflow's ZeRO-3 engine under (b)'s config, unchanged (its host budgets
       follow DeepSpeed's buffer keys);
-  (d) tierflow's ZeRO-3 with ZenFlow: (c)'s config with offload_optimizer on
-      the CPU (ZenFlow keeps its state in host memory: fp32 masters and
-      moments, stepped by ZenFlow, written back to the store) and (e)'s
-      zenflow section;
+  (d) tierflow's ZeRO-3 with ZenFlow: (c)'s config (offload_optimizer on
+      NVMe: the windowed side's masters and moments are files, streamed a
+      weight at a time by each CPU step) and (e)'s zenflow section;
+  (d') the same with offload_optimizer on the CPU (ZenFlow's whole state in
+      host memory, as DeepSpeed's ZenFlow requires);
   (e) DeepSpeed's ZenFlow: stage 2, offload_optimizer cpu, topk_ratio 0.1,
       update_interval 4, overlap_step true;
   (f) tierflow's ZenFlow under (e)'s config (the bf16 model's fp32 masters
@@ -62,13 +63,14 @@ import time
 
 LAYERS, WIDTH, BATCH = 24, 1024, 64
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
-CONTENDERS = ("a", "b", "b'", "c", "d", "e", "f", "e'", "f'")
+CONTENDERS = ("a", "b", "b'", "c", "d", "d'", "e", "f", "e'", "f'")
 TITLES = {
     "a": "torch in RAM (AdamW fused, fp32 master)",
     "b": "DeepSpeed ZeRO-3, NVMe params+optimizer, prefetch 0",
     "b'": "DeepSpeed ZeRO-3, NVMe, prefetch on (--prefetch)",
     "c": "tierflow ZeRO-3, (b)'s config",
     "d": "tierflow ZeRO-3 + ZenFlow",
+    "d'": "tierflow ZeRO-3 + ZenFlow, optimizer cpu",
     "e": "DeepSpeed ZenFlow, stage 2, optimizer cpu",
     "f": "tierflow ZenFlow, (e)'s config",
     "e'": "(e) in fp32 (bf16 off)",
@@ -302,9 +304,10 @@ def child(args):
         result = run_deepspeed(args, zero3_config(scratch, 0 if name == "b" else args.prefetch))
     elif name == "c":
         result = run_tierflow(args, zero3_config(scratch, 0))
-    elif name == "d":
+    elif name in ("d", "d'"):
         config = zero3_config(scratch, 0)
-        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if name == "d'":
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         config["zero_optimization"]["zenflow"] = zenflow_config()["zero_optimization"]["zenflow"]
         result = run_tierflow(args, config)
     elif name == "e":
@@ -430,7 +433,7 @@ def report(results, bandwidth, args):
     verdicts = []
     bounds = {}
     compute = mean(results["a"]["compute"]) if "a" in step else None
-    for k in ("c", "d"):
+    for k in ("c", "d", "d'"):
         if k not in step:
             continue
         r = results[k]

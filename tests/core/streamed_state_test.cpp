@@ -9,36 +9,23 @@
 #include <gtest/gtest.h>
 
 #include "../cli/temp_dir.hpp"
+#include "small_store.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/store.hpp"
-#include "tierflow/tiers/tiers.hpp"
 
 namespace tierflow {
 namespace {
 
+using testing::link_bytes;
+using testing::small_store;
+
 constexpr std::uint64_t kib = 1024;
-
-std::unique_ptr<block_store> make_store(const std::string& dir, std::uint64_t host_budget) {
-  tiers::store_config c;
-  c.host = tiers::host_tier_options{.budget = host_budget, .pin = tiers::pinning::none, .touch_threads = 1};
-  c.nvme = tiers::nvme_tier_options{.directory = dir + "/nvme", .budget = 64ull << 20, .file_size = 1ull << 20};
-  c.store.trace = false;
-  return tiers::make_store(std::move(c));
-}
-
-std::uint64_t link_bytes(const block_store& store, const std::string& name) {
-  for (const auto& l : store.telemetry().links) {
-    if (l.name == name) return l.bytes;
-  }
-  ADD_FAILURE() << "no link " << name;
-  return 0;
-}
 
 // A tensor of 10000 elements and 3 keys through sub-groups of 24 KiB: chunks
 // of 2 pages (2048 elements) per key, 5 of them, the last of 1808.
 TEST(StreamedState, ChunksATensorSoASubGroupFitsAndStreamsEveryElement) {
   testing::temp_dir dir;
-  auto store = make_store(dir.path(), 4 * 24 * kib);
+  auto store = small_store(dir.path(), 4 * 24 * kib);
   streamed_state state(*store, {"a", "b", "c"}, {.sub_group_bytes = 24 * kib});
   const std::size_t keys[] = {0, 1, 2};
   const std::size_t t = state.add_tensor("w", 10000, keys);
@@ -90,7 +77,7 @@ TEST(StreamedState, ChunksATensorSoASubGroupFitsAndStreamsEveryElement) {
 
 TEST(StreamedState, AddedKeysAreFreshAndAPassOverAMissingKeyIsRefusedBeforeAnyLease) {
   testing::temp_dir dir;
-  auto store = make_store(dir.path(), 64 * kib);
+  auto store = small_store(dir.path(), 64 * kib);
   streamed_state state(*store, {"m", "v", "vmax"}, {.sub_group_bytes = 16 * kib});
   const std::size_t keys[] = {0, 1};
   const std::size_t t = state.add_tensor("p", 3000, keys);
@@ -128,7 +115,7 @@ TEST(StreamedState, AddedKeysAreFreshAndAPassOverAMissingKeyIsRefusedBeforeAnyLe
 
 TEST(StreamedState, ASubGroupTooSmallForAPagePerKeyIsAUserError) {
   testing::temp_dir dir;
-  auto store = make_store(dir.path(), 64 * kib);
+  auto store = small_store(dir.path(), 64 * kib);
   EXPECT_THROW(streamed_state(*store, {"m"}, {.sub_group_bytes = 1000}), user_error);
   streamed_state state(*store, {"m", "v", "vmax"}, {.sub_group_bytes = 8 * kib});
   const std::size_t three[] = {0, 1, 2};

@@ -486,8 +486,8 @@ def test_the_engine_splits_a_step_as_a_trainer_overlapping_the_next_forward_does
 
 # make_model()'s matrices: (48, 32) and (8, 48), 12 bytes an element for the
 # master and the two moments: 18 KiB and 4.5 KiB, each rounded up to pages
-# (24 KiB and 12 KiB). A budget of 28 KiB holds the larger one, never both.
-SMALL_BUDGET = 28 << 10
+# (20 KiB and 8 KiB). A budget of 24 KiB holds the larger one, never both.
+SMALL_BUDGET = 24 << 10
 
 
 @pytest.mark.parametrize("config", [
@@ -544,7 +544,7 @@ def test_state_on_nvme_resumes_from_its_state_dict_and_deep_copies(tmp_path):
     ({"offload": "nvme", "nvme_dir": None}, "nvme_dir: offload='nvme' needs the directory"),
     ({"offload": "disk"}, "Invalid offload: 'disk'"),
     ({"host_memory": "1G"}, "host_memory is used only with offload='nvme'"),
-    ({"offload": "nvme", "host_memory": 16 << 10}, '"0.weight" needs 24.00 KiB of host memory'),
+    ({"offload": "nvme", "host_memory": 16 << 10}, '"0.weight" needs 20.00 KiB of host memory'),
 ])
 def test_bad_placements_raise_value_error_naming_them(tmp_path, kwargs, message):
     model = make_model()

@@ -384,7 +384,8 @@ def test_budgets_too_small_are_refused_before_any_work_with_the_minimum(tmp_path
 def test_contradictory_and_unsupported_keys_are_named(tmp_path):
     config = ds_config(tmp_path / "nvme")
     config["zero_optimization"]["zenflow"] = {"topk_ratio": 0.1}
-    # Stage 3's ZenFlow keeps its state in host memory: state on NVMe is refused.
+    # ZenFlow steps the windowed columns on the CPU: an optimizer not offloaded contradicts it.
+    config["zero_optimization"]["offload_optimizer"] = {"device": "none"}
     with pytest.raises(ValueError, match=r"zero_optimization.zenflow: .*offload_optimizer.device"):
         tierflow.initialize(model=TinyLM(), config=config)
     with pytest.raises(ValueError, match=r"zero_optimization.zenflow: .*offload_optimizer.device"):
@@ -769,6 +770,54 @@ def test_a_bf16_model_at_stage_2_steps_zenflow_over_fp32_masters_as_stage_3_does
     # The masters come back bit for bit; ZenFlow's own state round trip
     # moves the loss by a bf16 step or two (as at stage 3).
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(after), rtol=0, atol=2 ** -6)
+
+
+def test_stage_3_zenflow_with_its_state_on_nvme_steps_as_in_host_memory_and_resumes(tmp_path):
+    # offload_optimizer "nvme": the windowed side's masters and moments are
+    # files, streamed a weight at a time; the arithmetic is the same, so the
+    # run is bit for bit the one with the state in host memory.
+    model = TinyLM()
+    n = sum(p.numel() for p in model.parameters())
+    in_memory = zenflow3_engine(tmp_path / "cpu", _ZENFLOW_ON)
+    try:
+        reference = tierflow_losses(in_memory, 8)
+    finally:
+        in_memory.close()
+    on_nvme_config = zenflow3_config(tmp_path / "a", _ZENFLOW_ON, device_memory=model_bytes(model) // 3)
+    on_nvme_config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path / "opt")}
+    plan = estimate_memory(model, on_nvme_config, print_table=False)
+    cpu_plan = estimate_memory(model, zenflow3_config(tmp_path, _ZENFLOW_ON, device_memory=model_bytes(model) // 3),
+                               print_table=False)
+    assert "ZenFlow windowed state (fp32)" in plan.describe() and plan.optimizer_host_budget is not None
+    assert plan.grad_home == "host"  # ZenFlow reads every gradient every step: NVMe would be a round trip
+    assert plan.zenflow_nvme_bytes >= 12 * (n - sum(p.numel() for p in model.parameters() if p.ndim < 2))
+    assert sum(plan.zenflow_bytes) <= sum(cpu_plan.zenflow_bytes) - 12 * (plan.zenflow_nvme_bytes // 12 // 2)
+    torch.manual_seed(0)
+    engine, *_ = tierflow.initialize(model=TinyLM(), config=on_nvme_config)
+    try:
+        assert engine.optimizer.offload == "nvme"
+        assert engine.optimizer.nvme_dir.startswith(str(tmp_path / "opt"))
+        losses = tierflow_losses(engine, 8)
+        stats = engine.memory_stats()["optimizer"]
+        engine.save_checkpoint(tmp_path / "ckpt")
+        went_on = tierflow_losses(engine, 4, first=8)
+    finally:
+        engine.close()
+    assert losses == reference
+    stream = stats["tiers"]["stream"]
+    assert stream["budget"] == plan.optimizer_host_budget and 0 < stream["high_water"] <= stream["budget"]
+    assert stats["bytes"]["nvme->host"] > 0 and stats["bytes"]["host->nvme"] > 0
+    assert not os.listdir(engine.optimizer.nvme_dir), "the state's files outlived the engine"
+    torch.manual_seed(0)
+    on_nvme_config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path / "opt2")
+    resumed_engine, *_ = tierflow.initialize(model=TinyLM(), config=on_nvme_config)
+    try:
+        resumed_engine.load_checkpoint(tmp_path / "ckpt")
+        resumed = tierflow_losses(resumed_engine, 4, first=8)
+    finally:
+        resumed_engine.close()
+    # As test_stage_3_zenflow_resumes_from_a_checkpoint measures for the state in host memory.
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(went_on), rtol=5e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

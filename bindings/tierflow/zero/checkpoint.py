@@ -197,7 +197,10 @@ def _load_model(engine: "Engine", path: str) -> None:
 # ---- checkpoints ----------------------------------------------------------------------------------
 
 def _optimizer_on_nvme(engine: "Engine") -> bool:
-    return getattr(engine.optimizer, "offload", "cpu") == "nvme"
+    """Whether the optimizer's state is saved as its NVMe store's own
+    checkpoint (Adam/AdamW on NVMe). ZenFlow's, wherever it lives, is its
+    state_dict, read through its stream."""
+    return getattr(engine.optimizer, "offload", "cpu") == "nvme" and hasattr(engine.optimizer, "save_state")
 
 
 def _optimizer_path(engine: "Engine", tag_dir: str) -> str:

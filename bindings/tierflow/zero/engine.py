@@ -188,15 +188,16 @@ class Engine:
                 raise ValueError(f"tierflow.host_memory: {format_bytes(params.plan.host_budget)} cannot hold "
                                  f"{plan.minimum_host_reason}; give at least {plan.minimum_host} bytes")
             total = self.config.tierflow.host_memory
-            if plan.zenflow_bytes is not None and total is not None and \
-                    params.plan.host_budget + sum(plan.zenflow_bytes) > int(total):
+            zenflow_host = sum(plan.zenflow_bytes) + (plan.optimizer_host_budget or 0) \
+                if plan.zenflow_bytes is not None else 0
+            if zenflow_host and total is not None and params.plan.host_budget + zenflow_host > int(total):
                 # zero.Init sized its store before the model (and so ZenFlow's state) was known.
                 raise ValueError(
                     f"tierflow.host_memory: {format_bytes(int(total))} cannot hold ZenFlow's state "
-                    f"({format_bytes(sum(plan.zenflow_bytes))}) beside the {format_bytes(params.plan.host_budget)} "
+                    f"({format_bytes(zenflow_host)}) beside the {format_bytes(params.plan.host_budget)} "
                     "the store of tierflow.zero.Init took; ZenFlow keeps fp32 masters of the whole model in host "
                     "memory, so build the model without zero.Init, or give tierflow.host_memory at least "
-                    f"{params.plan.host_budget + sum(plan.zenflow_bytes)} bytes")
+                    f"{params.plan.host_budget + zenflow_host} bytes")
             plan = _with_budgets(plan, params.plan)
             params.plan = plan
         self.plan = plan
@@ -216,7 +217,6 @@ class Engine:
             raise ValueError("optimizer: missing; the engine steps the optimizer the config names "
                              "(type Adam or AdamW, with its params)")
         if self.config.zero.zenflow is not None:
-            # (At stage 3 the plan refuses state on NVMe: ZenFlow's lives in host memory.)
             if not isinstance(opt, AdamConfig):
                 raise ValueError(f"optimizer.type: {opt.type} with zenflow; ZenFlow steps Adam or AdamW")
         if isinstance(opt, MuonConfig):
@@ -253,13 +253,14 @@ class Engine:
                                                       "update_interval", "overlap_step", "auto_ratio",
                                                       "full_warm_up_rounds", "pt_reserved_cores_perc")}
             options = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-                           decoupled_weight_decay=opt.decoupled_weight_decay, zenflow=zf, threads=threads)
+                           decoupled_weight_decay=opt.decoupled_weight_decay, zenflow=zf, threads=threads,
+                           **self._optimizer_nvme())
             if self.params is not None:  # stage 3: ZenFlow steps fp32 masters in host memory
                 self.zenflow = PartitionedZenFlow(self.params, self.module, trainable, options)
                 return self.zenflow.optimizer
             if self.precision != "fp32":  # ZenFlow's engine steps fp32 parameters in place: masters, as at stage 3
-                self.zenflow = PartitionedZenFlow(ResidentParams(self.module, z.zenflow), self.module, trainable,
-                                                  options)
+                resident = ResidentParams(self.module, z.zenflow, nvme="nvme_dir" in options)
+                self.zenflow = PartitionedZenFlow(resident, self.module, trainable, options)
                 return self.zenflow.optimizer
             return ZenFlow(trainable, **options)
         from tierflow.torch.optim import Adam, AdamW
@@ -268,14 +269,23 @@ class Engine:
         cls = AdamW if opt.decoupled_weight_decay else Adam
         kwargs: dict[str, Any] = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
                                       amsgrad=opt.amsgrad, threads=threads)
-        if z.offload_optimizer.device == "nvme":
-            root = z.offload_optimizer.nvme_path or self.config.tierflow.nvme_dir
-            rank_dir = f"rank{self.group.rank}" if self.group.world_size > 1 else ""
-            kwargs.update(offload="nvme", nvme_dir=os.path.join(root, "tierflow-optimizer", rank_dir))
-            os.makedirs(kwargs["nvme_dir"], mode=0o700, exist_ok=True)
-            if self.plan is not None and self.plan.optimizer_host_budget is not None:
-                kwargs["host_memory"] = self.plan.optimizer_host_budget
+        kwargs.update(self._optimizer_nvme())
         return cls(trainable, **kwargs)
+
+    def _optimizer_nvme(self) -> dict[str, Any]:
+        """The optimizer's placement keywords with ``offload_optimizer.device``
+        "nvme" (its directory made, this rank's own; the plan's stream budget
+        at stage 3), else none."""
+        z = self.config.zero
+        if z.offload_optimizer.device != "nvme":
+            return {}
+        root = z.offload_optimizer.nvme_path or self.config.tierflow.nvme_dir
+        rank_dir = f"rank{self.group.rank}" if self.group.world_size > 1 else ""
+        out: dict[str, Any] = {"offload": "nvme", "nvme_dir": os.path.join(root, "tierflow-optimizer", rank_dir)}
+        os.makedirs(out["nvme_dir"], mode=0o700, exist_ok=True)
+        if self.plan is not None and self.plan.optimizer_host_budget is not None:
+            out["host_memory"] = self.plan.optimizer_host_budget
+        return out
 
     # ---- the training loop --------------------------------------------------------------------
 

@@ -13,7 +13,9 @@ What lives where (ZeRO-3):
   the device tier around its module's forward and backward;
 * each parameter's gradient, accumulated in fp32 across micro-batches, is one
   block homed in host memory (``offload_optimizer.device`` "cpu"/"none") or
-  on NVMe ("nvme");
+  on NVMe ("nvme"; not with ZenFlow, which reads every gradient into its own
+  host buffers at every step, so a gradient on NVMe would only cost its
+  bytes' trip there and back);
 * the optimizer's state (Adam's moments, and the fp32 master of a bf16/fp16
   parameter; an fp32 parameter's compute copy *is* its master) belongs to the
   optimizer: host memory, or NVMe streamed through its own host budget.
@@ -30,9 +32,14 @@ parameters DeepSpeed keeps live, ``stage3_max_live_parameters`` plus
 ``stage3_prefetch_bucket_size`` elements, capped at all of them);
 ``tierflow.host_memory`` is the whole host budget of the run, a quarter of it
 (at most) for the optimizer's stream and the rest for the parameter store.
-With ``zero_optimization.zenflow`` the optimizer's state is ZenFlow's, all of
-it in host memory (:func:`zenflow_host_bytes`), and the parameter store gets
-what is left of ``tierflow.host_memory`` after it.
+With ``zero_optimization.zenflow`` the optimizer's state is ZenFlow's
+(:func:`zenflow_host_bytes`): in host memory with ``offload_optimizer.device``
+"cpu"; with "nvme" the windowed side's masters and moments of every matrix
+are files (:func:`zenflow_nvme_bytes`) streamed a weight at a time through the
+optimizer's host budget, and the rest (the fp32 masters the store's compute
+copies are written from, the gradients, the selected columns' state) stays in
+host memory. The parameter store gets what is left of ``tierflow.host_memory``
+after them.
 
 Each tier is one region and a copy in use cannot move, so the minimums are
 twice the working set: the largest module's parameters (and the persistent
@@ -59,7 +66,8 @@ import torch
 
 from tierflow.config import AUTO, Config
 
-__all__ = ["Plan", "ParamInfo", "make_plan", "estimate_memory", "format_bytes", "zenflow_host_bytes"]
+__all__ = ["Plan", "ParamInfo", "make_plan", "estimate_memory", "format_bytes", "zenflow_host_bytes",
+           "zenflow_nvme_bytes"]
 
 PAGE = 4096
 _MIN_OPTIMIZER_HOST = 64 << 10  # OffloadedAdam's minimum: four sub-groups of a page per buffer
@@ -108,7 +116,7 @@ class Plan:
     params: tuple[ParamInfo, ...]
     param_bytes: int        # compute copies, page-aligned
     grad_bytes: int         # fp32 gradients, page-aligned
-    state_bytes: int        # the optimizer's fp32 state (ZenFlow's: all of zenflow_bytes)
+    state_bytes: int        # the optimizer's fp32 state (ZenFlow's: zenflow_bytes and zenflow_nvme_bytes)
     minimum_device: int     # the most the device must hold at once
     minimum_device_reason: str
     minimum_host: int
@@ -123,6 +131,8 @@ class Plan:
     # ZenFlow's host memory (zero/zenflow.py), (masters, moments, gradients)
     # bytes; None without zero_optimization.zenflow.
     zenflow_bytes: tuple[int, int, int] | None = None
+    # ZenFlow's state on NVMe (offload_optimizer.device "nvme"), else None.
+    zenflow_nvme_bytes: int | None = None
 
     def rows(self) -> list[tuple[str, str, str, str]]:
         """(what, where, bytes, note) for the table :func:`estimate_memory` prints."""
@@ -135,14 +145,20 @@ class Plan:
         ]
         if self.zenflow_bytes is not None:
             master, moments, grads = self.zenflow_bytes
-            return rows + [
+            on_nvme = self.zenflow_nvme_bytes is not None
+            rows += [
                 ("ZenFlow masters (fp32)", "host memory", format_bytes(master),
                  "every trainable parameter, written back to its compute copy after each step"),
                 ("ZenFlow moments (fp32)", "host memory", format_bytes(moments),
-                 "exp_avg and exp_avg_sq of both sides, and the columns changing sides"),
+                 ("the selected columns' and 1-D weights'" if on_nvme else "exp_avg and exp_avg_sq of both sides,")
+                 + " and the columns changing sides"),
                 ("ZenFlow gradients (fp32)", "host memory", format_bytes(grads),
                  "each step's gradient and the window's sums"),
             ]
+            if on_nvme:
+                rows.append(("ZenFlow windowed state (fp32)", "nvme", format_bytes(self.zenflow_nvme_bytes),
+                             "each matrix's master and moments, streamed a weight at a time"))
+            return rows
         return rows + [
             ("optimizer state (fp32)", state_where, format_bytes(self.state_bytes),
              "moments" + (" and master" if self.compute_dtype != torch.float32 else "; the fp32 parameter is its master")),
@@ -222,7 +238,7 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
     element = torch.empty((), dtype=dtype).element_size()
     z = config.zero
     param_home = "nvme" if z.offload_param.device == "nvme" else "host"
-    grad_home = "nvme" if z.offload_optimizer.device == "nvme" else "host"
+    grad_home = "nvme" if z.offload_optimizer.device == "nvme" and z.zenflow is None else "host"
     optimizer_offload = "nvme" if z.offload_optimizer.device == "nvme" else "cpu"
     nvme_dirs = {d for d in (z.offload_param.nvme_path if param_home == "nvme" else None,
                              z.offload_optimizer.nvme_path if grad_home == "nvme" else None) if d}
@@ -248,18 +264,19 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
     low_precision = dtype != torch.float32
     amsgrad = bool(getattr(config.optimizer, "amsgrad", False))
     state_bytes = sum(shard(i.numel) * 4 * (2 + int(amsgrad) + int(low_precision)) for i in infos)
-    zenflow_bytes = None
+    zenflow_bytes = zenflow_nvme = None
+    zenflow_least = 0  # the optimizer's stream budget's minimum: the largest matrix's windowed state
     zf = z.zenflow
     if zf is not None:
-        if optimizer_offload == "nvme":
-            raise ValueError('zero_optimization.zenflow: needs offload_optimizer.device "cpu" at stage 3, not "nvme" '
-                             "(ZenFlow keeps its state in host memory and streams none from NVMe)")
         if world_size > 1:
             raise ValueError(f"zero_optimization.zenflow: ZenFlow at stage 3 runs on one process, not {world_size} "
                              "(its column selection needs whole gradients, which each rank holds a shard of)")
-        zenflow_bytes = zenflow_host_bytes([tuple(p.shape) for _, _, p in named if p.requires_grad],
-                                           zf.topk_ratio, zf.overlap_step)
+        shapes = [tuple(p.shape) for _, _, p in named if p.requires_grad]
+        zenflow_bytes = zenflow_host_bytes(shapes, zf.topk_ratio, zf.overlap_step, nvme=optimizer_offload == "nvme")
         state_bytes = sum(zenflow_bytes)
+        if optimizer_offload == "nvme":
+            zenflow_nvme, zenflow_least = zenflow_nvme_bytes(shapes)
+            state_bytes += zenflow_nvme
 
     # Each tier is one region its copies are carved from, and a copy in use
     # cannot move: the budgets hold twice what is in use at once, so the copies
@@ -310,7 +327,9 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
     zenflow_host = sum(zenflow_bytes) if zenflow_bytes is not None else 0
     if t.host_memory is not None:
         total = int(t.host_memory)
-        if optimizer_offload == "nvme":
+        if zenflow_nvme is not None:  # four of the largest matrix let its stream overlap; more buys nothing
+            optimizer_host = max(zenflow_least, min(total // 4, 4 * zenflow_least, zenflow_nvme))
+        elif optimizer_offload == "nvme":
             optimizer_host = max(_MIN_OPTIMIZER_HOST, min(total // 4, pages(state_bytes)))
         host_budget = total - (optimizer_host or 0) - zenflow_host
         sources["host"] = sources["optimizer"] = "tierflow.host_memory"
@@ -333,9 +352,13 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
         sources["host"] = "offload_param / offload_optimizer buffers (DeepSpeed's keys)"
         if optimizer_offload == "nvme":
             oo = z.offload_optimizer
-            optimizer_host = max(_MIN_OPTIMIZER_HOST, min(pages(state_bytes), pages(oo.buffer_count * z.sub_group_size * 4)))
+            buffers = pages(oo.buffer_count * z.sub_group_size * 4)
+            if zenflow_nvme is not None:
+                optimizer_host = max(zenflow_least, min(zenflow_nvme, buffers))
+            else:
+                optimizer_host = max(_MIN_OPTIMIZER_HOST, min(pages(state_bytes), buffers))
             sources["optimizer"] = "offload_optimizer.buffer_count × sub_group_size"
-        if zenflow_bytes is not None:
+        if zenflow_bytes is not None and zenflow_nvme is None:
             sources["optimizer"] = "ZenFlow's state, beside the store's host tier"
     if (param_home == "nvme" or grad_home == "nvme" or optimizer_offload == "nvme") and nvme_dir is None:
         nvme_dir = t.nvme_dir
@@ -348,12 +371,12 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
                 minimum_device=minimum_device, minimum_device_reason=device_reason,
                 minimum_host=minimum_host, minimum_host_reason=host_reason, sources=sources,
                 prefetch_share=prefetch_share, evict_distance=evict_distance, world_size=world_size,
-                zenflow_bytes=zenflow_bytes)
+                zenflow_bytes=zenflow_bytes, zenflow_nvme_bytes=zenflow_nvme)
 
 
 
 def zenflow_host_bytes(shapes: Iterable[tuple[int, ...]], topk_ratio: float, overlap_step: bool, *,
-                       selected: bool = True, hand_over: bool = True) -> tuple[int, int, int]:
+                       selected: bool = True, hand_over: bool = True, nvme: bool = False) -> tuple[int, int, int]:
     """The host memory ZenFlow takes to step trainable parameters of
     ``shapes`` from fp32 masters (zero/zenflow.py), as (masters, moments,
     gradients) bytes: the masters and their gradients, and what the C++
@@ -364,26 +387,51 @@ def zenflow_host_bytes(shapes: Iterable[tuple[int, ...]], topk_ratio: float, ove
     (two under ``overlap_step``, when the windowed side also keeps its own
     copy of the masters and stages what it computes), and with ``hand_over``
     the columns changing sides at a refresh, entering and leaving at once
-    (master and moments of a weight's selected columns each way)."""
+    (master and moments of a weight's selected columns each way). With
+    ``nvme`` the windowed side's masters and moments of the 2-D weights are
+    files (:func:`zenflow_nvme_bytes`), not counted here; its master is its
+    own copy, so the device side stages what it uploads, as under overlap."""
     master = moments = grads = 0
     windows = 2 if overlap_step else 1
+    own_copy = overlap_step or nvme  # the windowed side's master is not the parameter
     for shape in shapes:
         n = math.prod(shape)
         if n == 0:
             continue  # ZenFlow leaves an empty parameter out
-        master += 4 * n + (4 * n if overlap_step else 0)
+        master += 4 * n
         grads += 4 * n
-        moments += 8 * n
         cols = shape[0] if len(shape) >= 2 else 1
         if cols > 1:  # the engine's 2-D weight: a column per output unit
             # The selection's size as core/src/zenflow/selection.cpp rounds it.
             chosen = min(cols, max(1, math.ceil(topk_ratio * cols - 1e-9))) * (n // cols)
             moments += (8 * chosen if selected else 0) + (2 * 12 * chosen if hand_over else 0)
             grads += 4 * n * windows
-            master += 4 * n if overlap_step else 0
+            master += 4 * n if own_copy else 0  # the staging copy of uploads
+            if not nvme:
+                moments += 8 * n
+                master += 4 * n if overlap_step else 0
         else:  # a 1-D weight is the every-step side's, moments and all
             moments += 8 * n
+            if not nvme:  # host memory keeps buffers for it too, never used
+                moments += 8 * n
+                master += 4 * n if overlap_step else 0
     return master, moments, grads
+
+
+def zenflow_nvme_bytes(shapes: Iterable[tuple[int, ...]]) -> tuple[int, int]:
+    """ZenFlow's windowed state on NVMe for trainable parameters of
+    ``shapes`` (core/zenflow/streamed_host_state.hpp): the bytes of every 2-D
+    weight's block (its master and two moments, rounded up to a page), and
+    the largest one's (what its stream's host budget must hold at least)."""
+    total = largest = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        if n == 0 or len(shape) < 2 or shape[0] <= 1:
+            continue  # a 1-D weight (or a (1, n) one) is the every-step side's alone
+        one = pages(12 * n)
+        total += one
+        largest = max(largest, one)
+    return total, largest
 
 
 def scheduler_settings(z: Any, element: int, device_budget: int, mean_numel: float) -> tuple[float, int]:

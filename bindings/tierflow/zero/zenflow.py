@@ -7,7 +7,10 @@ and writes them between steps — cannot step it where it lies. As DeepSpeed's
 ZenFlow does, the optimizer's state lives in host memory instead
 (``offload_optimizer.device`` "cpu"): an fp32 master of every trainable
 parameter, whole, and a :class:`~tierflow.torch.optim.ZenFlow` over the
-masters. At each accumulation boundary every parameter's accumulated
+masters. With "nvme" (beyond DeepSpeed's ZenFlow, which refuses it) the
+windowed side's own masters and moments are files, streamed a weight at a
+time by each of its steps (``ZenFlow(offload="nvme")``); the masters here
+stay in host memory. At each accumulation boundary every parameter's accumulated
 gradient comes from its block into its master's ``.grad``, ZenFlow steps, and
 every master is written back into its compute block (rounded to the compute
 dtype) through the store, from where the next forward leases it.
@@ -75,10 +78,11 @@ class ResidentParams:
     """A model's parameters where the model keeps them (stages 1–2), read and
     written as :class:`PartitionedZenFlow` reads and writes a store's: the
     gradient from ``.grad``, the values from and into the parameter (any
-    device). ``zenflow`` is the config's ZenFlow section (for the host
-    memory its state takes)."""
+    device). ``zenflow`` is the config's ZenFlow section and ``nvme``
+    whether the windowed side's state is on NVMe (for the host memory its
+    state takes)."""
 
-    def __init__(self, model: torch.nn.Module, zenflow: Any) -> None:
+    def __init__(self, model: torch.nn.Module, zenflow: Any, *, nvme: bool = False) -> None:
         from tierflow.zero.plan import zenflow_host_bytes
 
         self._parts: dict[int, _ResidentPart] = {}
@@ -86,7 +90,8 @@ class ResidentParams:
             self._parts.setdefault(id(p), _ResidentPart(p, name))
         trainable = [tuple(x.param.shape) for x in self._parts.values() if x.requires_grad]
         dtype = next(iter(self._parts.values())).param.dtype if self._parts else torch.float32
-        self.plan = _ResidentPlan(dtype, zenflow_host_bytes(trainable, zenflow.topk_ratio, zenflow.overlap_step))
+        self.plan = _ResidentPlan(dtype, zenflow_host_bytes(trainable, zenflow.topk_ratio, zenflow.overlap_step,
+                                                            nvme=nvme))
 
     def part_of(self, p: Any) -> _ResidentPart | None:
         return self._parts.get(id(p))
@@ -149,6 +154,7 @@ class PartitionedZenFlow:
         self.optimizer = ZenFlow(master_groups, **options)
         self._overlap = bool(self.optimizer.schedule["overlap_step"])
         self._topk = float(self.optimizer.zenflow_config.get("topk_ratio", 0.1))
+        self._nvme = self.optimizer.offload == "nvme"
         # Whether ZenFlow may hold updates the store has not seen (a window
         # open or in flight): set by a step, cleared by finish().
         self._unfinished = False
@@ -259,15 +265,25 @@ class PartitionedZenFlow:
         ours = sum(2 * m.untyped_storage().nbytes() for m in self.masters)  # a master and its gradient
         stepped = self.optimizer.zenflow_stats().get("steps", 0) > 0
         counted = zenflow_host_bytes([tuple(m.shape) for m in self.masters], self._topk, self._overlap,
-                                     selected=stepped, hand_over=False)
+                                     selected=stepped, hand_over=False, nvme=self._nvme)
         return ours + sum(counted) - 8 * sum(m.numel() for m in self.masters)
 
     def memory_stats(self) -> dict[str, Any]:
         """The engine's ``memory_stats()["optimizer"]``: ZenFlow's host memory,
-        its budget the plan's."""
+        its budget the plan's; with its state on NVMe, the stream's host tier
+        (``tiers["stream"]``), its files (``tiers["nvme"]``) and the bytes
+        moved each way (``bytes``)."""
         budget = sum(self.params.plan.zenflow_bytes or (0,))
-        return {"tiers": {"host": {"budget": budget, "used": self.held_bytes(), "high_water": self.high_water}},
-                "bytes": {}, "zenflow": self.optimizer.zenflow_stats()}
+        tiers: dict[str, Any] = {"host": {"budget": budget, "used": self.held_bytes(), "high_water": self.high_water}}
+        moved: dict[str, int] = {}
+        t = self.optimizer.telemetry()
+        if t is not None:
+            for tier in t["tiers"]:
+                key = "stream" if tier["kind"] == "host" else tier["kind"]
+                tiers[key] = {"budget": tier["budget_bytes"], "used": tier["used_bytes"],
+                              "high_water": tier["high_water_bytes"]}
+            moved = {link["name"]: link["bytes"] for link in t["links"]}
+        return {"tiers": tiers, "bytes": moved, "zenflow": self.optimizer.zenflow_stats()}
 
     def close(self) -> None:
         """Takes the model's hooks off (idempotent)."""

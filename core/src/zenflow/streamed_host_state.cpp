@@ -14,12 +14,12 @@ namespace tierflow::zenflow {
 namespace {
 
 constexpr std::size_t npos = std::numeric_limits<std::size_t>::max();
-constexpr std::size_t keys_all[] = {0, 1, 2};
+constexpr std::size_t the_key[] = {0};
 
 }  // namespace
 
 std::uint64_t streamed_host_state::weight_bytes(const weight_shape& w, std::size_t state_count) {
-  return (1 + state_count) * aligned_size(w.elements() * sizeof(float));
+  return aligned_size((1 + state_count) * w.elements() * sizeof(float));
 }
 
 std::uint64_t streamed_host_state::minimum_stage_bytes(std::span<const weight_shape> weights,
@@ -36,11 +36,11 @@ streamed_host_state::streamed_host_state(block_store& store, const std::vector<w
                                          streamed_host_options options)
     : state_count_(state_count),
       largest_(minimum_stage_bytes(weights, state_count)),
-      // One weight's buffers are one sub-group: every tensor is a single chunk.
-      state_(store, {"master", "state0", "state1"},
+      // A weight's master and states are one block, its one chunk and sub-group.
+      state_(store, {"state"},
              {.home = options.home,
               .stage = options.stage,
-              .sub_group_bytes = std::max<std::uint64_t>(largest_, (1 + state_count) * block_alignment),
+              .sub_group_bytes = std::max<std::uint64_t>(largest_, block_alignment),
               .depth = options.depth}) {
   if (state_count != 1 && state_count != 2)
     throw user_error("zenflow host state: the update rule keeps " + std::to_string(state_count) +
@@ -71,8 +71,8 @@ streamed_host_state::streamed_host_state(block_store& store, const std::vector<w
   }
   lock_guard lock(mutex_);
   for (const std::size_t w : matrices) {
-    tensor_[w] = state_.add_tensor("zenflow." + std::to_string(w) + "." + weights[w].name, weights[w].elements(),
-                                   std::span(keys_all, 1 + state_count_));
+    tensor_[w] = state_.add_tensor("zenflow." + std::to_string(w) + "." + weights[w].name,
+                                   (1 + state_count_) * weights[w].elements(), the_key);
   }
   pass(matrices, true, [&](std::size_t w, const host_buffers& b) {
     std::copy(initial[w].begin(), initial[w].end(), b.param.begin());
@@ -95,15 +95,15 @@ void streamed_host_state::pass(std::span<const std::size_t> weights, bool fill,
   items.reserve(weights.size());
   for (const std::size_t w : weights) {
     TF_ASSERT(w < tensor_.size() && tensor_[w] != npos, "zenflow host state: a pass over a 1-D weight");
-    streamed_state::pass_item item{tensor_[w], {}};
-    for (std::size_t k = 0; k <= state_count_; ++k) item.keys.emplace_back(k, mode);
-    items.push_back(std::move(item));
+    items.push_back({tensor_[w], {{0, mode}}});
   }
   const optimizer_stream_stats s = state_.stream(items, [&](const streamed_chunk& c) {
     TF_ASSERT(c.chunk == 0, "zenflow host state: a weight streamed in more than one chunk");
-    const host_buffers b{.param = c.buffers[0],
-                         .state0 = c.buffers[1],
-                         .state1 = state_count_ == 2 ? c.buffers[2] : std::span<float>()};
+    const std::span<float> all = c.buffers[0];
+    const std::size_t n = all.size() / (1 + state_count_);
+    const host_buffers b{.param = all.first(n),
+                         .state0 = all.subspan(n, n),
+                         .state1 = state_count_ == 2 ? all.subspan(2 * n, n) : std::span<float>()};
     fn(weights[c.item], b);
   });
   totals_.total += s.total;

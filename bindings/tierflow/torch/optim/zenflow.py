@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from tierflow import _core
-from tierflow.torch.optim.adam import _PAGE, _check_hyper_parameters, _check_offload, _scalar
+from tierflow.torch.optim.adam import _PAGE, _check_hyper_parameters, _check_offload, _nvme_sizes, _scalar
 from tierflow.torch.optim.muon import _ADJUST_LR_FNS, muon_param_groups
 
 __all__ = ["ZenFlow"]
@@ -511,11 +511,14 @@ class ZenFlow(Optimizer):
             masters = [pending.get(id(p), {}).get("master_param", p.detach().float().cpu()).contiguous()
                        for p in params]
             stream = torch.cuda.current_stream(params[0].device).cuda_stream
+        file_size = 0
+        if self._nvme_dir is not None:  # files no larger than the state (a matrix's master and moments)
+            _, file_size = _nvme_sizes(sum(12 * p.numel() for p in params if p.ndim >= 2 and p.shape[0] > 1), None)
         engine = _core.ZenFlowEngine(
             [p.detach() for p in params], names, self.zenflow_config,
             [self._group_of[id(p)] for p in params], [id(p) in self._muon_ids for p in params],
             threads=self.threads, masters=masters, stream=stream,
-            nvme_dir=self._nvme_dir, host_memory=self._host_memory,
+            nvme_dir=self._nvme_dir, host_memory=self._host_memory, file_size=file_size,
         )
         ids = {id(p) for p in params}
         if any(pid in ids for pid in pending):

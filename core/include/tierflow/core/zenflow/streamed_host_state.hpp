@@ -1,11 +1,17 @@
 // ZenFlow's host state on NVMe: each matrix's fp32 master values and
-// optimizer state are blocks in a store whose home is NVMe, streamed through
-// the host tier a weight at a time as the engine walks them (the CPU step, a
-// hand-over, a checkpoint): the next weight loads while this one is worked
-// on and the last one is written back (core/streamed_state.hpp, with a
-// weight's buffers one sub-group). Host memory then holds a few weights'
-// state, not the model's: the stage tier needs room for the largest weight's
-// buffers to work at all, and for `depth` of them to overlap.
+// optimizer state are one block in a store whose home is NVMe, streamed
+// through the host tier a weight at a time as the engine walks them (the CPU
+// step, a hand-over, a checkpoint): the next weight loads while this one is
+// worked on and the last one is written back (core/streamed_state.hpp, a
+// weight one sub-group). Host memory then holds a few weights' state, not
+// the model's: the stage tier needs room for the largest weight's block to
+// work at all, and for `depth` of them to overlap.
+//
+// One block per weight, not one per buffer: a pass holds a single lease, so
+// the copies it waits on are all evictable, and a stage tier of the largest
+// block's size always makes room for it. With a lease per buffer the
+// buffers already granted could split the free room into pieces too small
+// for the last one, and the pass would wait for ever.
 //
 // Only matrices have blocks: a 1-D weight is the device's from the start and
 // never crosses (engine.hpp), so the engine never asks for it.
@@ -48,8 +54,8 @@ struct streamed_host_options {
 
 class streamed_host_state final : public host_state {
  public:
-  // The stage-tier bytes of one weight's buffers: its master and `state_count`
-  // states, each rounded up to a page.
+  // The stage-tier bytes of one weight's block: its master and `state_count`
+  // states, rounded up to a page.
   static std::uint64_t weight_bytes(const weight_shape& w, std::size_t state_count);
   // The stage-tier bytes a pass needs to make progress: the largest matrix's
   // buffers (0 without a matrix).
