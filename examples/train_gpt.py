@@ -501,13 +501,20 @@ def plot(runs: list[Run], path: Path, title: str) -> None:
 
 
 def print_memory(stats: dict[str, Any]) -> None:
+    """The engine's tiers, the stall, the bytes each link moved; then the
+    optimizer's own (its state's host memory, stream and files) when it
+    reports them."""
+    optimizer = stats.get("optimizer") or {"tiers": {}, "bytes": {}}
     print("tiers (budget / used / high water):")
-    for tier, t in stats["tiers"].items():
+    rows = [(tier, t) for tier, t in stats["tiers"].items()] + \
+        [(f"opt. {tier}", t) for tier, t in optimizer["tiers"].items()]
+    for tier, t in rows:
         budget = "disk" if t["budget"] is None else _size(t["budget"])  # NVMe: the filesystem's free space
-        print(f"  {tier:<7} {budget:>8} / {_size(t['used']):>8} / {_size(t['high_water']):>8}")
+        print(f"  {tier:<11} {budget:>8} / {_size(t['used']):>8} / {_size(t['high_water']):>8}")
     print(f"stall: {stats['stall_seconds']:.2f} s ({100 * stats['stall_fraction']:.1f}% of the run)")
-    moved = ", ".join(f"{link} {_size(n)}" for link, n in stats["bytes"].items())
-    print(f"moved: {moved}")
+    for label, links in (("moved", stats["bytes"]), ("optimizer moved", optimizer["bytes"])):
+        if links:
+            print(f"{label}: " + ", ".join(f"{link} {_size(n)}" for link, n in links.items()))
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -651,7 +658,7 @@ def main(argv: list[str] | None = None) -> None:
     with _scratch(resolved, args.keep):
         if args.engine == "tierflow":
             engine = tierflow_engine(model_cfg, ds_config, args.seed)
-            main_run = Run("tierflow ZeRO-3 + ZenFlow, parameters on NVMe"
+            main_run = Run("tierflow ZeRO-3 + ZenFlow, NVMe offload"
                            if ds_config.get("zero_optimization", {}).get("zenflow") is not None
                            else "tierflow ZeRO-3, NVMe offload")
         else:

@@ -35,7 +35,7 @@ from tierflow.zero.init import mark, store_of
 from tierflow.zero.hooks import ModuleHooks, ParameterAccess, saved_tensor_hooks
 from tierflow.zero.overlap import OverlappedStep, overlappable
 from tierflow.zero.partition import ParamStore, Partition
-from tierflow.zero.plan import Plan, format_bytes, make_plan, parameters_of
+from tierflow.zero.plan import Plan, format_bytes, links_of, make_plan, parameters_of, tiers_of
 from tierflow.zero.zenflow import PartitionedZenFlow, ResidentParams
 
 __all__ = ["Engine", "initialize", "LossScaler"]
@@ -495,12 +495,12 @@ class Engine:
         out: dict[str, Any] = {"tiers": {}, "bytes": {}, "stall_seconds": 0.0, "stall_fraction": 0.0}
         if self.params is not None:
             t = self.params.telemetry()
-            out["tiers"] = _tiers_of(t)
+            out["tiers"] = tiers_of(t)
             if self.params.group.world_size > 1:  # the parameters gathered from every rank's shards
                 out["tiers"]["gathered"] = {"budget": self.params.gather_budget,
                                             "used": self.params.gathered_bytes,
                                             "high_water": self.params.gathered_high_water}
-            out["bytes"] = {link["name"]: link["bytes"] for link in t["links"]}
+            out["bytes"] = links_of(t)
             out["stall_seconds"] = t["stall_seconds"]
             out["stall_fraction"] = t["stall_seconds"] / self._busy if self._busy > 0 else 0.0
             out["scheduler"] = self.params.scheduler.stats
@@ -510,8 +510,7 @@ class Engine:
         elif callable(telemetry):
             opt = telemetry()
             if opt is not None:
-                out["optimizer"] = {"tiers": _tiers_of(opt),
-                                    "bytes": {link["name"]: link["bytes"] for link in opt["links"]}}
+                out["optimizer"] = {"tiers": tiers_of(opt), "bytes": links_of(opt)}
         return out
 
     def write_trace(self, path: str | os.PathLike) -> None:
@@ -564,17 +563,6 @@ class Engine:
             close()
         if self.params is not None:
             self.params.close()
-
-
-def _tiers_of(telemetry: dict) -> dict[str, dict[str, int]]:
-    """{"device": {"budget", "used", "high_water"}, ...} from a store's telemetry; an
-    NVMe tier bounded only by its filesystem's free space has budget None."""
-    return {t["kind"]: {"budget": t["budget_bytes"] if t["budget_bytes"] < _UNBOUNDED else None,
-                        "used": t["used_bytes"], "high_water": t["high_water_bytes"]}
-            for t in telemetry["tiers"]}
-
-
-_UNBOUNDED = 1 << 59  # an NVMe tier made without a budget (the stores' 2**60)
 
 
 def _with_budgets(plan: Plan, given: Plan) -> Plan:

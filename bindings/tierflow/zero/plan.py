@@ -434,6 +434,23 @@ def zenflow_nvme_bytes(shapes: Iterable[tuple[int, ...]]) -> tuple[int, int]:
     return total, largest
 
 
+_UNBOUNDED = 1 << 59  # an NVMe tier made without a budget (the stores' 2**60)
+
+
+def tiers_of(telemetry: dict) -> dict[str, dict[str, int | None]]:
+    """{"device": {"budget", "used", "high_water"}, ...} from a store's
+    telemetry: what each tier holds beside its budget; an NVMe tier bounded
+    only by its filesystem's free space has budget None."""
+    return {t["kind"]: {"budget": t["budget_bytes"] if t["budget_bytes"] < _UNBOUNDED else None,
+                        "used": t["used_bytes"], "high_water": t["high_water_bytes"]}
+            for t in telemetry["tiers"]}
+
+
+def links_of(telemetry: dict) -> dict[str, int]:
+    """{"host->nvme": bytes, ...}: what each link of a store moved."""
+    return {link["name"]: link["bytes"] for link in telemetry["links"]}
+
+
 def scheduler_settings(z: Any, element: int, device_budget: int, mean_numel: float) -> tuple[float, int]:
     """DeepSpeed's stage-3 residency keys as the prefetch scheduler's options:
     prefetches may fill ``stage3_prefetch_bucket_size`` elements (at most

@@ -274,15 +274,16 @@ class PartitionedZenFlow:
         (``tiers["stream"]``), its files (``tiers["nvme"]``) and the bytes
         moved each way (``bytes``)."""
         budget = sum(self.params.plan.zenflow_bytes or (0,))
+        from tierflow.zero.plan import links_of, tiers_of
+
         tiers: dict[str, Any] = {"host": {"budget": budget, "used": self.held_bytes(), "high_water": self.high_water}}
         moved: dict[str, int] = {}
         t = self.optimizer.telemetry()
         if t is not None:
-            for tier in t["tiers"]:
-                key = "stream" if tier["kind"] == "host" else tier["kind"]
-                tiers[key] = {"budget": tier["budget_bytes"], "used": tier["used_bytes"],
-                              "high_water": tier["high_water_bytes"]}
-            moved = {link["name"]: link["bytes"] for link in t["links"]}
+            streamed = tiers_of(t)
+            tiers["stream"] = streamed.pop("host")
+            tiers.update(streamed)
+            moved = links_of(t)
         return {"tiers": tiers, "bytes": moved, "zenflow": self.optimizer.zenflow_stats()}
 
     def close(self) -> None:
