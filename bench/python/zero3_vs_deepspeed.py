@@ -32,7 +32,8 @@ are its own), one at a time:
 Each runs --warmup untimed steps then --steps timed ones (the defaults put
 DeepSpeed's ZenFlow past its first update window, where it spawns its
 optimizer process, and time two whole windows) and reports the mean
-step time (forward, backward and optimizer step), tokens/s, peak RSS
+step time (forward, backward and optimizer step; for the engines also split
+into forward + backward and step()), tokens/s, peak RSS
 (ru_maxrss of the child, plus the peak of any helper process it runs, as
 DeepSpeed's ZenFlow does for its optimizer), the storage bytes read and
 written per timed step (/proc/PID/io read_bytes/write_bytes deltas, helpers
@@ -243,19 +244,32 @@ def run_torch(args):
 
 def engine_step(engine, config):
     """One training step through a DeepSpeed-shaped engine (DeepSpeed's or
-    tierflow's): forward, MSE loss, backward, step; returns the loss."""
+    tierflow's): forward, MSE loss, backward, step; returns the loss. Each
+    call appends (forward + backward, step) seconds to ``step.phases``."""
     import torch
 
     _, target = batches(0)
     dtype = torch.bfloat16 if config["bf16"]["enabled"] else torch.float32
 
     def step(x):
+        start = time.perf_counter()
         loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), target)
         engine.backward(loss)
+        value = loss.item()
+        middle = time.perf_counter()
         engine.step()
-        return loss.item()
+        step.phases.append((middle - start, time.perf_counter() - middle))
+        return value
 
+    step.phases = []
     return step
+
+
+def with_phases(out, step, steps):
+    """``out`` with the timed steps' mean forward + backward and step seconds."""
+    timed = step.phases[-steps:]
+    out["phases"] = {"forward_backward": mean([f for f, _ in timed]), "step": mean([s for _, s in timed])}
+    return out
 
 
 def run_deepspeed(args, config):
@@ -271,7 +285,7 @@ def run_deepspeed(args, config):
     step = engine_step(engine, config)
 
     try:
-        return train(step, args.steps, args.warmup)
+        return with_phases(train(step, args.steps, args.warmup), step, args.steps)
     finally:
         if hasattr(engine, "destroy"):
             engine.destroy()
@@ -286,7 +300,7 @@ def run_tierflow(args, config):
 
     try:
         before = engine.memory_stats()["bytes"]
-        out = train(step, args.steps, args.warmup)
+        out = with_phases(train(step, args.steps, args.warmup), step, args.steps)
         stats = engine.memory_stats()
         moved = {k: (v - before.get(k, 0)) / args.steps for k, v in stats["bytes"].items()}
         out["engine"] = {"bytes_per_step": moved, "stall_fraction": stats["stall_fraction"],
@@ -425,10 +439,15 @@ def report(results, bandwidth, args):
     for k, r in results.items():
         if "losses" in r:
             print(f"({k}) losses: " + " ".join(f"{x:.5f}" for x in r["losses"]))
-    if "c" in results and "engine" in results["c"]:
-        e = results["c"]["engine"]
-        moved = ", ".join(f"{k} {mib(v)}" for k, v in sorted(e["bytes_per_step"].items()) if v)
-        print(f"(c) engine's links per step (MiB): {moved or 'none'}; stall fraction {e['stall_fraction']:.3f}")
+    for k in ("c", "d", "d'"):
+        if k in results and "engine" in results[k]:
+            e = results[k]["engine"]
+            moved = ", ".join(f"{link} {mib(v)}" for link, v in sorted(e["bytes_per_step"].items()) if v)
+            print(f"({k}) engine's links per step (MiB): {moved or 'none'}; stall fraction {e['stall_fraction']:.3f}")
+    for k, r in results.items():
+        if "phases" in r:
+            p = r["phases"]
+            print(f"({k}) phases: forward + backward {p['forward_backward']:.3f} s, step {p['step']:.3f} s")
     print()
     verdicts = []
     bounds = {}
