@@ -6,7 +6,8 @@ around its module's forward and backward (hooks.py); the optimizer steps the
 parameters batch by batch in host memory, each batch's compute copies and
 gradients leased there while its state streams from where it lives; with
 ``zero_optimization.zenflow`` ZenFlow steps fp32 masters in host memory
-instead (zenflow.py). Stages 0–2 keep the parameters where the model has them
+instead (zenflow.py), its windowed state in host memory or streamed from
+NVMe (``offload_optimizer.device``). Stages 0–2 keep the parameters where the model has them
 and step them with tierflow's optimizer (state in host memory or on NVMe) or
 ZenFlow.
 
