@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <utility>
 
 #include "tierflow/core/assert.hpp"
 #include "tierflow/core/error.hpp"
@@ -14,6 +15,16 @@
 #include "tierflow/io/operation.hpp"
 
 namespace tierflow::io::detail {
+
+// The operation whose completion callback this thread is running, and
+// whether that callback submitted it again. complete() asks this, not the
+// operation: once resubmitted, the operation may complete on another engine
+// thread, and its owner free it, before the callback even returns.
+struct callback_frame {
+  const operation* op = nullptr;
+  bool resubmitted = false;
+};
+inline thread_local callback_frame current_callback;
 
 // The engines' access to an operation's private progress fields.
 struct operation_access {
@@ -48,11 +59,10 @@ struct operation_access {
     op.in_queue_ = false;
     op.past_end_ = false;
     op.next_ = nullptr;
-    op.state_.store(operation::state_queued, std::memory_order_relaxed);
     // Relaxed is enough: the hand-off to the engine thread (a queue push with
-    // release) orders these writes; the counter itself is only compared by the
-    // thread that ran the callback.
-    op.submissions_.fetch_add(1, std::memory_order_relaxed);
+    // release) orders these writes.
+    op.state_.store(operation::state_queued, std::memory_order_relaxed);
+    if (current_callback.op == &op) current_callback.resubmitted = true;
   }
 
   // Records a chunk's success.
@@ -90,14 +100,16 @@ struct operation_access {
       }
     }
     if (op.callback_ != nullptr) {
-      const std::uint32_t before = op.submissions_.load(std::memory_order_relaxed);
       op.state_.store(operation::state_completing, std::memory_order_relaxed);
-      op.callback_(op, op.callback_context_);
       // A callback that resubmitted the operation handed it to an engine
-      // again (possibly already running on another thread): hands off. The
-      // counter is bumped by submit() in the callback, on this same thread,
-      // so the relaxed load sees it.
-      if (op.submissions_.load(std::memory_order_relaxed) != before) return;
+      // again (possibly already running, or done, on another thread): hands
+      // off without touching it. submit() in the callback runs on this
+      // thread and marks the frame (an outer completion's is restored).
+      const callback_frame outer = std::exchange(current_callback, callback_frame{&op, false});
+      op.callback_(op, op.callback_context_);
+      const bool resubmitted = current_callback.resubmitted;
+      current_callback = outer;
+      if (resubmitted) return;
     }
     // Publish under the mutex and notify while holding it: a waiter that sees
     // `done` may destroy the operation, and cannot get past the mutex before

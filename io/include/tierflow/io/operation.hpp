@@ -121,9 +121,6 @@ class operation {
 
   // Completion hand-off to waiters.
   std::atomic<std::uint32_t> state_{state_idle};
-  // Bumped by every submit(): after the callback, the engine compares it to
-  // tell a resubmitted operation (hands off) from a finished one.
-  std::atomic<std::uint32_t> submissions_{0};
   std::mutex mutex_;
   std::condition_variable done_;
 };
