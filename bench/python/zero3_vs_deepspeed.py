@@ -22,6 +22,9 @@ are its own), one at a time:
       weight at a time by each CPU step) and (e)'s zenflow section;
   (d') the same with offload_optimizer on the CPU (ZenFlow's whole state in
       host memory, as DeepSpeed's ZenFlow requires);
+  (d'') (d) under (b')'s config: prefetch on, which (b) turns off (with
+      stage3_prefetch_bucket_size 0 tierflow, as DeepSpeed, loads each
+      module's parameters when it is reached);
   (e) DeepSpeed's ZenFlow: stage 2, offload_optimizer cpu, topk_ratio 0.1,
       update_interval 4, overlap_step true;
   (f) tierflow's ZenFlow under (e)'s config (the bf16 model's fp32 masters
@@ -64,7 +67,7 @@ import time
 
 LAYERS, WIDTH, BATCH = 24, 1024, 64
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
-CONTENDERS = ("a", "b", "b'", "c", "d", "d'", "e", "f", "e'", "f'")
+CONTENDERS = ("a", "b", "b'", "c", "d", "d'", "d''", "e", "f", "e'", "f'")
 TITLES = {
     "a": "torch in RAM (AdamW fused, fp32 master)",
     "b": "DeepSpeed ZeRO-3, NVMe params+optimizer, prefetch 0",
@@ -72,6 +75,7 @@ TITLES = {
     "c": "tierflow ZeRO-3, (b)'s config",
     "d": "tierflow ZeRO-3 + ZenFlow",
     "d'": "tierflow ZeRO-3 + ZenFlow, optimizer cpu",
+    "d''": "tierflow ZeRO-3 + ZenFlow, prefetch on (--prefetch)",
     "e": "DeepSpeed ZenFlow, stage 2, optimizer cpu",
     "f": "tierflow ZenFlow, (e)'s config",
     "e'": "(e) in fp32 (bf16 off)",
@@ -318,8 +322,8 @@ def child(args):
         result = run_deepspeed(args, zero3_config(scratch, 0 if name == "b" else args.prefetch))
     elif name == "c":
         result = run_tierflow(args, zero3_config(scratch, 0))
-    elif name in ("d", "d'"):
-        config = zero3_config(scratch, 0)
+    elif name in ("d", "d'", "d''"):
+        config = zero3_config(scratch, args.prefetch if name == "d''" else 0)
         if name == "d'":
             config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         config["zero_optimization"]["zenflow"] = zenflow_config()["zero_optimization"]["zenflow"]
@@ -420,16 +424,16 @@ def report(results, bandwidth, args):
           f"read {mib(read_bw)} MiB/s")
     step = {k: mean(r["times"]) for k, r in results.items() if "times" in r}
     print()
-    print(f"{'':4}{'contender':52} {'step s':>8} {'tok/s':>8} {'vs (b)':>7} {'vs (a)':>7} "
+    print(f"{'':5}{'contender':52} {'step s':>8} {'tok/s':>8} {'vs (b)':>7} {'vs (a)':>7} "
           f"{'RSS MiB':>8} {'rd MiB/st':>9} {'wr MiB/st':>9}")
     for k, r in results.items():
         if "error" in r:
-            print(f"({k}){'':{3 - len(k)}}{TITLES[k]:52} FAILED: {r['error']}")
+            print(f"({k}){'':{4 - len(k)}}{TITLES[k]:52} FAILED: {r['error']}")
             continue
         s = step[k]
         vb = f"{s / step['b']:.2f}" if "b" in step else "-"
         va = f"{s / step['a']:.2f}" if "a" in step else "-"
-        print(f"({k}){'':{3 - len(k)}}{TITLES[k]:52} {s:8.3f} {BATCH / s:8.1f} {vb:>7} {va:>7} "
+        print(f"({k}){'':{4 - len(k)}}{TITLES[k]:52} {s:8.3f} {BATCH / s:8.1f} {vb:>7} {va:>7} "
               f"{mib(r['max_rss']):>8} {mib(r['read_bytes']):>9} {mib(r['write_bytes']):>9}")
     print()
     for k, r in results.items():
@@ -439,7 +443,7 @@ def report(results, bandwidth, args):
     for k, r in results.items():
         if "losses" in r:
             print(f"({k}) losses: " + " ".join(f"{x:.5f}" for x in r["losses"]))
-    for k in ("c", "d", "d'"):
+    for k in ("c", "d", "d'", "d''"):
         if k in results and "engine" in results[k]:
             e = results[k]["engine"]
             moved = ", ".join(f"{link} {mib(v)}" for link, v in sorted(e["bytes_per_step"].items()) if v)
@@ -452,7 +456,7 @@ def report(results, bandwidth, args):
     verdicts = []
     bounds = {}
     compute = mean(results["a"]["compute"]) if "a" in step else None
-    for k in ("c", "d", "d'"):
+    for k in ("c", "d", "d'", "d''"):
         if k not in step:
             continue
         r = results[k]
