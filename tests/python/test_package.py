@@ -111,17 +111,9 @@ def test_a_budget_overrun_is_a_memory_error_naming_the_tier_and_budget():
 
 
 @pytest.fixture
-def full_disk(tmp_path):
+def full_disk(small_tmpfs):
     """A 1 MiB tmpfs: any real preallocation there fails with ENOSPC."""
-    mount = tmp_path / "full"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
-    yield mount
-    if subprocess.run(["umount", str(mount)]).returncode != 0:
-        subprocess.run(["umount", "--lazy", str(mount)], check=True)  # never leave it mounted
+    return small_tmpfs("1M")
 
 
 def test_an_environment_failure_is_an_os_error_with_errno_filename_and_context(full_disk):

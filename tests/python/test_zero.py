@@ -467,41 +467,32 @@ def test_a_model_built_under_zero_init_is_never_whole_in_ram(tmp_path):
     assert result["grown"] < 0.25 * size, result
 
 
-def test_a_full_nvme_directory_mid_run_names_it_and_the_last_checkpoint_loads(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+def test_a_full_nvme_directory_mid_run_names_it_and_the_last_checkpoint_loads(tmp_path, small_tmpfs):
+    mount = small_tmpfs("8m")
+    engine, _ = make_engine(mount / "run")
+    ckpt = mount / "ckpt"
     try:
-        engine, _ = make_engine(mount / "run")
-        ckpt = mount / "ckpt"
-        try:
-            tierflow_losses(engine, 2)
-            engine.save_checkpoint(ckpt, tag="good")
-            # The drive fills up (another writer) while the run goes on.
-            with open(mount / "filler", "wb") as f:
-                with pytest.raises(OSError):
-                    while True:
-                        f.write(b"x" * (1 << 16))
-                        f.flush()
-            with pytest.raises(OSError) as raised:
-                engine.save_checkpoint(ckpt, tag="next")
-            assert raised.value.errno == 28 and str(ckpt) in str(raised.value.filename)
-            assert (ckpt / "latest").read_text() == "good"
-            tierflow_losses(engine, 1, first=2)  # the run itself goes on
-        finally:
-            engine.close()
-        engine, _ = make_engine(tmp_path / "again")
-        try:
-            path, _ = engine.load_checkpoint(ckpt)
-            assert os.path.basename(path) == "good" and engine.global_steps == 2
-        finally:
-            engine.close()
+        tierflow_losses(engine, 2)
+        engine.save_checkpoint(ckpt, tag="good")
+        # The drive fills up (another writer) while the run goes on.
+        with open(mount / "filler", "wb") as f:
+            with pytest.raises(OSError):
+                while True:
+                    f.write(b"x" * (1 << 16))
+                    f.flush()
+        with pytest.raises(OSError) as raised:
+            engine.save_checkpoint(ckpt, tag="next")
+        assert raised.value.errno == 28 and str(ckpt) in str(raised.value.filename)
+        assert (ckpt / "latest").read_text() == "good"
+        tierflow_losses(engine, 1, first=2)  # the run itself goes on
     finally:
-        if subprocess.run(["umount", str(mount)]).returncode != 0:
-            subprocess.run(["umount", "--lazy", str(mount)], check=True)
+        engine.close()
+    engine, _ = make_engine(tmp_path / "again")
+    try:
+        path, _ = engine.load_checkpoint(ckpt)
+        assert os.path.basename(path) == "good" and engine.global_steps == 2
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("clip", ["0.5", "0"])
