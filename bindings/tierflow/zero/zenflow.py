@@ -158,6 +158,10 @@ class PartitionedZenFlow:
         # Whether ZenFlow may hold updates the store has not seen (a window
         # open or in flight): set by a step, cleared by finish().
         self._unfinished = False
+        # held_bytes() before and after the first selection: the sizes are
+        # fixed, so each step reads a figure rather than recounting it.
+        self._held = tuple(self._count_held(selected) for selected in (False, True))
+        self._selected = False  # known to have a selection (it stays, once made)
         self.high_water = self.held_bytes()
         self._handles = [
             model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.finish()),
@@ -260,12 +264,16 @@ class PartitionedZenFlow:
         :func:`~tierflow.zero.plan.zenflow_host_bytes` counts it (the
         selection's, once the first step made one). The plan's budget adds the
         hand-over's."""
+        if not self._selected:
+            self._selected = self.optimizer.zenflow_stats().get("steps", 0) > 0
+        return self._held[self._selected]
+
+    def _count_held(self, selected: bool) -> int:
         from tierflow.zero.plan import zenflow_host_bytes
 
         ours = sum(2 * m.untyped_storage().nbytes() for m in self.masters)  # a master and its gradient
-        stepped = self.optimizer.zenflow_stats().get("steps", 0) > 0
         counted = zenflow_host_bytes([tuple(m.shape) for m in self.masters], self._topk, self._overlap,
-                                     selected=stepped, hand_over=False, nvme=self._nvme)
+                                     selected=selected, hand_over=False, nvme=self._nvme)
         return ours + sum(counted) - 8 * sum(m.numel() for m in self.masters)
 
     def memory_stats(self) -> dict[str, Any]:
@@ -305,6 +313,7 @@ class PartitionedZenFlow:
         # overlap_step and reads them when it is made: a load drops it, and
         # the next step makes it again from the masters as they are now.
         self.optimizer.load_state_dict(state)
+        self._selected = False  # the loaded state's step count tells again
 
     def _write_back(self) -> None:
         for part, master in zip(self.parts, self.masters):
