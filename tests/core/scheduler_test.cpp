@@ -73,19 +73,33 @@ TEST(Scheduler, RecordsTheFirstIterationThenPrefetchesAhead) {
   // Room for 6 of the 16 blocks: the schedule cannot be held, it must stream.
   auto store = make_test_store(dir.path(), 6 * mib);
   const auto ids = make_blocks(*store, 16, mib, "layer");
+  auto host_loads = [&] {
+    for (const auto& tier : store->telemetry().tiers) {
+      if (tier.kind == tier_kind::host) return tier.loads;
+    }
+    return std::uint64_t{0};
+  };
+  const std::uint64_t loads_before = host_loads();
   prefetch_scheduler sched(*store);
   run_iteration(sched, ids, std::chrono::milliseconds(4));
-  const auto recording_stalls = sched.stats().stalled_accesses;
+  // The recorded iteration is served on demand: every block is loaded as it
+  // is asked for and nothing ahead of it. (How many of those loads a caller
+  // waits on is timing: a load from the page cache can finish before the
+  // caller looks, so the count of stalls is not what this checks.)
   EXPECT_EQ(sched.schedule().size(), ids.size());
-  EXPECT_GE(recording_stalls, 10u);  // everything on demand
+  EXPECT_EQ(store->telemetry().prefetches, 0u);
+  EXPECT_EQ(host_loads() - loads_before, ids.size());
+  const auto recording_stalls = sched.stats().stalled_accesses;
 
-  for (int i = 0; i < 3; ++i) run_iteration(sched, ids, std::chrono::milliseconds(4));
+  constexpr int steady_iterations = 3;
+  for (int i = 0; i < steady_iterations; ++i) run_iteration(sched, ids, std::chrono::milliseconds(4));
   const auto steady_stalls = sched.stats().stalled_accesses - recording_stalls;
   const auto t = store->telemetry();
-  EXPECT_GT(t.prefetches, 0u);
-  // Prefetching hides most loads (a load of 1 MiB takes well under 4 ms):
-  // three prefetched iterations stall less often than the one recorded.
-  EXPECT_LE(steady_stalls, recording_stalls) << "stalls did not drop with prefetch";
+  // Every block the host tier cannot keep is loaded ahead of its use.
+  EXPECT_GE(t.prefetches, steady_iterations * (ids.size() - 6));
+  // Prefetching hides most loads (a load of 1 MiB takes well under the 4 ms of
+  // compute between accesses): most accesses find their block ready.
+  EXPECT_LT(steady_stalls, steady_iterations * ids.size() / 2) << "prefetch did not hide the loads";
   EXPECT_LE(sched.stats().lookahead, 64u);
   for (const auto& tier : t.tiers) EXPECT_LE(tier.high_water, tier.budget) << tier.name;
   EXPECT_EQ(sched.stats().rerecords, 0u);
