@@ -22,6 +22,7 @@
 #include "tierflow/core/error.hpp"
 #include "tierflow/optim/adam.hpp"
 #include "tierflow/optim/executor.hpp"
+#include "tierflow/optim/gradients.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -199,6 +200,31 @@ std::vector<std::size_t> adam_step_group(optim::executor& ex, const std::vector<
   return skipped;
 }
 
+// dst ← src × scale, converted to dst's dtype; see the docstring below.
+std::optional<double> convert(optim::executor& ex, const_buffer src, buffer dst, float scale, bool sum_squares) {
+  const dtype from = element_type(src, "src"), to = element_type(dst, "dst");
+  if (src.size() != dst.size())
+    throw user_error("dst: " + std::to_string(dst.size()) + " elements where src has " + std::to_string(src.size()));
+  const auto* s = static_cast<const std::byte*>(src.data());
+  auto* d = static_cast<std::byte*>(dst.data());
+  const bool overlap = src.size() > 0 && s < d + dst.size() * size_of(to) && d < s + src.size() * size_of(from);
+  if (overlap && !(s == d && from == to))
+    throw user_error("dst: overlaps src (only a buffer converted onto itself, of one dtype, may)");
+  double sum = 0;
+  if (src.size() > 0) {
+    nb::gil_scoped_release release;
+    optim::convert(ex, s, from, d, to, scale, src.size(), sum_squares ? &sum : nullptr);
+  }
+  return sum_squares ? std::optional<double>(sum) : std::nullopt;
+}
+
+double sum_of_squares(optim::executor& ex, const_buffer data) {
+  const dtype type = element_type(data, "data");
+  if (data.size() == 0) return 0.0;
+  nb::gil_scoped_release release;
+  return optim::sum_of_squares(ex, data.data(), type, data.size());
+}
+
 }  // namespace
 
 void bind_optim(nb::module_& m) {
@@ -256,6 +282,21 @@ void bind_optim(nb::module_& m) {
         "With skip_nonfinite a slot whose gradient holds an inf or a nan is not touched (its\n"
         "buffers and its count stay as they were). Returns the indices of the slots skipped so,\n"
         "ascending (empty without skip_nonfinite). Raises ValueError naming a bad argument.");
+
+  m.def("convert", &convert, "executor"_a, "src"_a.noconvert(), "dst"_a.noconvert(), "scale"_a = 1.0f,
+        nb::kw_only(), "sum_squares"_a = false,
+        "dst[i] = src[i] * scale for every element, converted to dst's dtype (float32, bfloat16\n"
+        "or float16 on either side; rounded to nearest even when narrowing, as torch rounds),\n"
+        "spread over the executor's threads with the GIL released. Both C-contiguous on the CPU\n"
+        "and of one size; dst may be src itself (one dtype), else must not overlap it. With\n"
+        "sum_squares, returns sum_of_squares() of what was written, made in the same pass;\n"
+        "else None. Raises ValueError naming a bad argument.");
+
+  m.def("sum_of_squares", &sum_of_squares, "executor"_a, "data"_a.noconvert(),
+        "The sum of the squares of `data`'s elements (float32, bfloat16 or float16, C-contiguous,\n"
+        "on the CPU), each squared and summed in float64 in one fixed order: the same bits\n"
+        "whatever the executor's threads or SIMD target. An inf or nan element makes it inf or\n"
+        "nan. A gradient's squared L2 norm, for clipping. Raises ValueError for another dtype.");
 
   m.def("address_of", [](const_buffer a) { return reinterpret_cast<std::uintptr_t>(a.data()); },
         "array"_a.noconvert(),

@@ -1,13 +1,20 @@
 // The kernels' dtype conversions on every SIMD target, bit for bit against
-// the compiler's own (round to nearest even, overflow to inf, subnormals, NaN).
+// the compiler's own (round to nearest even, overflow to inf, subnormals, NaN);
+// and optim::convert / sum_of_squares, the host copies of a training step
+// spread over an executor's threads.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <optional>
+#include <string>
 #include <limits>
 #include <random>
 #include <vector>
 
 #include "kernels.hpp"
+#include "tierflow/optim/executor.hpp"
+#include "tierflow/optim/gradients.hpp"
 #include "reference.hpp"
 
 namespace tierflow::optim {
@@ -71,6 +78,96 @@ TEST(convert, every_fp16_and_bf16_pattern_widens_exactly) {
       }
     }
   }
+}
+
+// Sizes around the tile (16 Ki elements) and the widening piece (2 Ki): none,
+// one, less than a vector, a piece and one, a tile and one, several tiles
+// and a tail.
+constexpr std::size_t sizes[] = {0, 1, 7, 2049, 16385, 3 * 16384 + 5};
+
+constexpr dtype all_dtypes[] = {dtype::fp32, dtype::bf16, dtype::fp16};
+
+TEST(convert, scaled_copies_between_every_pair_of_dtypes_on_threads_match_a_scalar_loop) {
+  for (const int threads : {1, 3}) {
+    for (const std::string& simd : simd_targets()) {
+      executor ex(threads, simd);
+      for (const dtype from : all_dtypes) {
+        for (const dtype to : all_dtypes) {
+          for (const std::size_t n : sizes) {
+            for (const float scale : {1.0f, 0.3712f}) {
+              const test::typed_buffer src(from, test::normal_values(n, 11 + static_cast<unsigned>(n), 2.0f));
+              // One element past the end, which must stay as it is.
+              test::typed_buffer dst(to, std::vector<float>(n + 1, -5.0f));
+              double sum = -1;
+              convert(ex, const_cast<test::typed_buffer&>(src).data(), from, dst.data(), to, scale, n, &sum);
+              double want_sum = 0;
+              for (std::size_t i = 0; i < n; ++i) {
+                const float want = test::round_to(to, src.at(i) * scale);
+                ASSERT_EQ(test::bits_of(dst.at(i)), test::bits_of(want))
+                    << simd << ", " << threads << " threads, " << name(from) << " -> " << name(to) << ", n " << n
+                    << ", element " << i;
+                want_sum += static_cast<double>(want) * want;
+              }
+              ASSERT_EQ(dst.at(n), -5.0f) << "written past the end, n " << n;
+              // The squares are of what was written; the order of the sum is
+              // the kernel's, so only close to this one.
+              EXPECT_NEAR(sum, want_sum, 1e-12 * want_sum) << simd << ", n " << n;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(convert, onto_itself_in_one_dtype) {
+  executor ex(2);
+  std::vector<float> v = test::normal_values(40000, 3);
+  const std::vector<float> before = v;
+  convert(ex, v.data(), dtype::fp32, v.data(), dtype::fp32, 0.5f, v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) ASSERT_EQ(v[i], before[i] * 0.5f) << i;
+}
+
+TEST(sum_of_squares, has_the_same_bits_on_every_thread_count_and_target) {
+  for (const dtype type : all_dtypes) {
+    for (const std::size_t n : sizes) {
+      test::typed_buffer data(type, test::normal_values(n, 5 + static_cast<unsigned>(n), 1e-3f, 2e-4f));
+      long double exact = 0;
+      for (std::size_t i = 0; i < n; ++i) exact += static_cast<long double>(data.at(i)) * data.at(i);
+      std::optional<std::uint64_t> first;
+      for (const int threads : {1, 2, 3}) {
+        for (const std::string& simd : simd_targets()) {
+          executor ex(threads, simd);
+          const double got = sum_of_squares(ex, data.data(), type, n);
+          EXPECT_NEAR(got, static_cast<double>(exact), 1e-12 * static_cast<double>(exact))
+              << name(type) << ", n " << n << ", " << simd;
+          std::uint64_t bits;
+          std::memcpy(&bits, &got, sizeof bits);
+          if (!first) first = bits;
+          EXPECT_EQ(bits, *first) << name(type) << ", n " << n << ", " << simd << ", " << threads << " threads";
+          double fused = -1;
+          std::vector<float> copy(n);
+          convert(ex, data.data(), type, copy.data(), dtype::fp32, 1.0f, n, &fused);
+          EXPECT_EQ(fused, got) << "the fused sum differs from sum_of_squares, " << simd;
+        }
+      }
+    }
+  }
+}
+
+TEST(sum_of_squares, an_inf_or_a_nan_anywhere_is_not_finite) {
+  executor ex(3);
+  for (const float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                          std::numeric_limits<float>::quiet_NaN()}) {
+    for (const std::size_t at : {std::size_t{0}, std::size_t{16384 + 3}, std::size_t{3 * 16384 + 4}}) {
+      std::vector<float> v = test::normal_values(3 * 16384 + 5, 9);
+      v[at] = bad;
+      EXPECT_FALSE(std::isfinite(sum_of_squares(ex, v.data(), dtype::fp32, v.size()))) << bad << " at " << at;
+    }
+  }
+  // The largest fp32 squared, a million times over, stays finite in fp64.
+  std::vector<float> big(1 << 20, std::numeric_limits<float>::max());
+  EXPECT_TRUE(std::isfinite(sum_of_squares(ex, big.data(), dtype::fp32, big.size())));
 }
 
 }  // namespace

@@ -31,6 +31,7 @@ import torch
 
 from tierflow.config import AUTO, AdamConfig, Config, MuonConfig, from_deepspeed
 from tierflow.zero import checkpoint as _checkpoint
+from tierflow.zero import copies
 from tierflow.zero.comm import Group, current_group
 from tierflow.zero.init import mark, store_of
 from tierflow.zero.hooks import ModuleHooks, ParameterAccess, saved_tensor_hooks
@@ -434,7 +435,7 @@ class Engine:
         grads = [p for p in stepped if p.grad is not None]
         go = True
         if self.gradient_clipping > 0 or self.scaler is not None:
-            norm_sq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) ** 2 for p in grads)
+            norm_sq = sum(copies.norm_sq(p.grad) for p in grads)
             factor, go = self._clip_factor(norm_sq, math.isfinite(norm_sq))
             if go and factor != 1.0 and self.zenflow is None:
                 with torch.no_grad():

@@ -46,6 +46,7 @@ import torch
 from tierflow import _core
 from tierflow.errors import TierflowError
 from tierflow.zero.comm import Group
+from tierflow.zero.copies import copy_into, norm_sq
 from tierflow.zero.plan import PAGE, Plan, format_bytes, pages
 
 __all__ = ["ParamStore", "Partition"]
@@ -100,7 +101,7 @@ class Partition:
 
 def _norm_sq(t: torch.Tensor) -> tuple[float, bool]:
     """``t``'s squared L2 norm (accumulated in fp64) and whether it is finite."""
-    sq = float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+    sq = norm_sq(t)
     return sq, math.isfinite(sq)
 
 
@@ -220,8 +221,7 @@ class ParamStore:
             values = g.shard_of(g.broadcast(values.detach().clone()).reshape(-1), part.shard_numel)
         lease = self.store.acquire(part.block, "host", "overwrite")
         try:
-            with torch.no_grad():
-                self._local(lease, part).copy_(values)
+            copy_into(self._local(lease, part), values)
         finally:
             lease.release(dirty=True)
         self.parts.append(part)
@@ -393,12 +393,13 @@ class ParamStore:
         lease = self._lease(part.grad_block, "host", mode)
         try:
             view = self._grad_local(lease, part)
-            with torch.no_grad():
-                if part.grad_empty:
-                    view.copy_(grad)
-                else:
+            if part.grad_empty:  # the copy takes the norm in the same pass
+                sq = copy_into(view, grad, norm=norm)
+            else:
+                with torch.no_grad():
                     view.add_(grad.to(torch.float32))
-                sq, finite = _norm_sq(view) if norm else (0.0, True)
+                sq = norm_sq(view) if norm else 0.0
+            finite = math.isfinite(sq)
         except BaseException:
             self._unlease(lease, dirty=False)
             raise
@@ -420,8 +421,7 @@ class ParamStore:
         (fp32, the parameter's shape)."""
         lease = self._lease(part.grad_block, "host", "read")
         try:
-            with torch.no_grad():
-                torch.mul(self._grad_view(lease, part), scale, out=out)
+            copy_into(out, self._grad_view(lease, part), scale)
         finally:
             self._unlease(lease, dirty=False)
 
@@ -538,8 +538,7 @@ class ParamStore:
             values = self.group.shard_of(values.reshape(-1), part.shard_numel)
         lease = self._lease(part.block, "host", "overwrite")
         try:
-            with torch.no_grad():
-                self._local(lease, part).copy_(values.reshape(self._local_shape(part)))
+            copy_into(self._local(lease, part), values.reshape(self._local_shape(part)))
         except BaseException:
             self._unlease(lease, dirty=False)
             raise

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from tierflow.zero.copies import copy_into
 from tierflow.zero.partition import ParamStore, Partition
 
 __all__ = ["PartitionedZenFlow", "ResidentParams"]
@@ -97,16 +98,13 @@ class ResidentParams:
         return self._parts.get(id(p))
 
     def read_grad(self, part: _ResidentPart, out: torch.Tensor, scale: float) -> None:
-        out.copy_(part.param.grad)
-        if scale != 1.0:
-            out.mul_(scale)
+        copy_into(out, part.param.grad, scale)
 
     def read(self, part: _ResidentPart) -> torch.Tensor:
         return part.param.detach()
 
     def write(self, part: _ResidentPart, value: torch.Tensor) -> None:
-        with torch.no_grad():
-            part.param.copy_(value)
+        copy_into(part.param.data, value)
 
 
 class PartitionedZenFlow:
