@@ -458,13 +458,14 @@ class store_handle {
 class scheduler_handle {
  public:
   scheduler_handle(const store_handle& store, std::size_t max_lookahead, std::size_t min_lookahead,
-                   double budget_share, std::size_t evict_distance)
+                   double budget_share, std::size_t evict_distance, double staging_share)
       : state_(store.shared()),
         scheduler_(std::make_unique<prefetch_scheduler>(
             *state_->store, scheduler_options{.max_lookahead = max_lookahead,
                                               .min_lookahead = min_lookahead,
                                               .budget_share = budget_share,
-                                              .evict_distance = evict_distance})) {}
+                                              .evict_distance = evict_distance,
+                                              .staging_share = staging_share})) {}
 
   ~scheduler_handle() {
     nb::gil_scoped_release unlocked;
@@ -716,13 +717,17 @@ void bind_store(nb::module_& m) {
       "accesses within a lookahead computed from measured link bandwidth and compute time\n"
       "(bounded by `budget_share` of the tier's budget and [min_lookahead, max_lookahead]),\n"
       "and on release evicts copies whose next use is further than `evict_distance` accesses\n"
-      "(0: the lookahead). One thread drives it; calls from others wait their turn. It keeps\n"
-      "its Store alive.")
-      .def(nb::init<const store_handle&, std::size_t, std::size_t, double, std::size_t>(),
+      "(0: the lookahead). With `staging_share`, blocks homed on NVMe and used in the device\n"
+      "tier are also read into the host tier ahead of use, within that share of the host\n"
+      "tier's room beside the blocks homed there (even with budget_share 0), and a staged copy\n"
+      "is evicted after its use unless used again soon. One thread drives it; calls from\n"
+      "others wait their turn. It keeps its Store alive.")
+      .def(nb::init<const store_handle&, std::size_t, std::size_t, double, std::size_t, double>(),
            nb::keep_alive<1, 2>(), "store"_a, "max_lookahead"_a = 64, "min_lookahead"_a = 1,
-           "budget_share"_a = 0.75, "evict_distance"_a = 0,
-           "budget_share 0 turns prefetch off (every access on demand). Raises ValueError unless\n"
-           "1 <= min_lookahead <= max_lookahead and 0 <= budget_share <= 1.")
+           "budget_share"_a = 0.75, "evict_distance"_a = 0, "staging_share"_a = 0.0,
+           "budget_share 0 turns prefetch off (every access on demand); staging_share 0 turns\n"
+           "staging off. Raises ValueError unless 1 <= min_lookahead <= max_lookahead and both\n"
+           "shares are in [0, 1].")
       .def("set_schedule", &scheduler_handle::set_schedule, "accesses"_a,
            "Gives the iteration's accesses as (block, tier, mode) tuples, in order. Raises\n"
            "ValueError for an unknown block, tier or mode, or inside an iteration.")

@@ -27,6 +27,8 @@ prefetch_scheduler::prefetch_scheduler(block_store& store, scheduler_options opt
     throw user_error("scheduler: lookahead bounds must satisfy 1 <= min_lookahead <= max_lookahead");
   if (!(options_.budget_share >= 0 && options_.budget_share <= 1))
     throw user_error("scheduler: budget_share must be in [0, 1]");
+  if (!(options_.staging_share >= 0 && options_.staging_share <= 1))
+    throw user_error("scheduler: staging_share must be in [0, 1]");
 }
 
 void prefetch_scheduler::set_schedule(std::vector<block_access> accesses) {
@@ -108,9 +110,50 @@ void prefetch_scheduler::begin_iteration() {
   // Hints made past the end of the last iteration cover this one's first accesses.
   const std::size_t n = schedule_.size();
   prefetched_until_ = prefetched_until_ > n ? prefetched_until_ - n : 0;
+  staged_until_ = staged_until_ > n ? staged_until_ - n : 0;
   stats_.lookahead = compute_lookahead();
+  staging_room_ = options_.staging_share > 0 ? host_room() : 0;
   last_access_end_ = {};
   if (!schedule_.empty()) prefetch_from(0);
+}
+
+std::uint64_t prefetch_scheduler::host_room() const {
+  if (!store_.has_tier(tier_kind::host)) return 0;
+  // The host tier's budget less what is homed there (those bytes never leave).
+  std::uint64_t homed = 0;
+  for (std::uint32_t i = 0; i < store_.block_count(); ++i) {
+    const block_desc& d = store_.describe(block_id{i});
+    if (d.home == tier_kind::host) homed += aligned_size(d.size_bytes);
+  }
+  const std::uint64_t budget = store_.tier_of(tier_kind::host).budget();
+  return budget > homed ? static_cast<std::uint64_t>(options_.staging_share * static_cast<double>(budget - homed))
+                        : 0;
+}
+
+bool prefetch_scheduler::staged_kind(const block_access& a) const {
+  // Homed below the host tier, used above it, and read (an overwrite loads nothing).
+  return a.mode != access::overwrite && index_of(a.where) < index_of(tier_kind::host) &&
+         index_of(store_.describe(a.block).home) > index_of(tier_kind::host);
+}
+
+void prefetch_scheduler::stage_from(std::size_t position) {
+  const std::size_t n = schedule_.size();
+  std::uint64_t room = staging_room_;
+  std::unordered_map<std::uint64_t, bool> counted;
+  std::size_t j = position;
+  for (; j < position + n && j <= position + options_.max_lookahead; ++j) {
+    const block_access& a = schedule_[j % n];
+    if (!staged_kind(a) || !counted.emplace(a.block.value, true).second) continue;
+    const std::uint64_t bytes = aligned_size(store_.describe(a.block).size_bytes);
+    if (bytes > room) break;  // the host tier's room bounds the window
+    room -= bytes;
+    // Past the device's prefetch window (those load straight to the device),
+    // and not where it is already: a copy on the device is not staged back.
+    if (j > position && j >= staged_until_ && j >= prefetched_until_ && !store_.present_in(a.block, a.where))
+      store_.prefetch(a.block, tier_kind::host, traffic_class::prefetch);
+  }
+  staged_until_ = std::max(staged_until_, j);
+  staging_window_ = j - position;
 }
 
 void prefetch_scheduler::prefetch_from(std::size_t position) {
@@ -141,6 +184,7 @@ void prefetch_scheduler::prefetch_from(std::size_t position) {
       prefetched_until_ = j + 1;
     }
   }
+  if (staging_room_ > 0) stage_from(position);
 }
 
 lease prefetch_scheduler::acquire(block_id block, tier_kind where, access mode) {
@@ -186,6 +230,9 @@ void prefetch_scheduler::release(lease&& l, dirty d) {
   acquired_at_.erase(it);
   const std::size_t horizon = options_.evict_distance ? options_.evict_distance : stats_.lookahead;
   if (next_use_[p] > horizon) store_.evict(done.block, done.where);
+  // A staged copy makes room for the next ones unless it is used again soon.
+  if (staging_room_ > 0 && next_use_[p] > staging_window_ && staged_kind(done))
+    store_.evict(done.block, tier_kind::host);
 }
 
 void prefetch_scheduler::end_iteration() {

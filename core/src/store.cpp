@@ -200,6 +200,12 @@ const block_desc& block_store::describe(block_id id) const {
   return record(id).desc;
 }
 
+bool block_store::present_in(block_id id, tier_kind where) const {
+  lock_guard lock(mutex_);
+  const copy_state s = record(id).copies[index_of(where)].state;
+  return holds_data(s) || s == copy_state::loading;
+}
+
 std::optional<block_id> block_store::find(std::string_view name) const {
   lock_guard lock(mutex_);
   const auto it = by_name_.find(std::string(name));

@@ -106,6 +106,83 @@ TEST(Scheduler, RecordsTheFirstIterationThenPrefetchesAhead) {
   EXPECT_EQ(sched.stats().per_access_stall.size(), ids.size());
 }
 
+// A store with a (stand-in) device tier above host memory and NVMe.
+std::unique_ptr<block_store> make_device_store(const std::string& dir, std::uint64_t device_budget,
+                                               std::uint64_t host_budget) {
+  tiers::store_config c;
+  c.device = tiers::device_tier_options{.budget = device_budget, .backend = tiers::device_backend::stand_in};
+  c.host = tiers::host_tier_options{.budget = host_budget, .pin = tiers::pinning::none, .touch_threads = 1};
+  c.nvme = tiers::nvme_tier_options{.directory = dir + "/nvme", .budget = 256 * mib, .file_size = 64 * mib};
+  return tiers::make_store(std::move(c));
+}
+
+std::uint64_t link_bytes(const block_store& store, const std::string& name) {
+  for (const auto& l : store.telemetry().links) {
+    if (l.name == name) return l.bytes;
+  }
+  ADD_FAILURE() << "no link " << name;
+  return 0;
+}
+
+void run_on_device(prefetch_scheduler& s, const std::vector<block_id>& order) {
+  s.begin_iteration();
+  for (const block_id id : order) {
+    lease l = s.acquire(id, tier_kind::device);
+    EXPECT_TRUE(all_equal(l.data(), static_cast<float>(id.value))) << "block " << id.value;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    s.release(std::move(l), dirty::no);
+  }
+  s.end_iteration();
+}
+
+// With prefetch into the device off (DeepSpeed's stage3_prefetch_bucket_size
+// 0), staging still reads the NVMe blocks into host memory ahead of their
+// use, within its share of the host tier beside the blocks homed there;
+// without staging every block comes from NVMe when it is asked for.
+TEST(Scheduler, StagesNvmeBlocksInHostMemoryWhenDevicePrefetchIsOff) {
+  struct result {
+    std::uint64_t staged = 0, direct = 0, from_host = 0, prefetches = 0;
+  };
+  std::vector<result> results;
+  for (const double staging : {0.0, 0.75}) {
+    testing::temp_dir dir;
+    // Room on the device for two of the 1 MiB blocks; the host tier has 8 MiB,
+    // 2 of them taken by blocks homed there: 6 MiB of room, 4.5 to stage in.
+    auto store = make_device_store(dir.path(), 2 * mib, 8 * mib);
+    const auto ids = make_blocks(*store, 12, mib, "layer");
+    for (int k = 0; k < 2; ++k)
+      store->create_block({.name = "homed" + std::to_string(k), .size_bytes = mib, .home = tier_kind::host});
+    // A forward and a backward: each block is used twice, far apart.
+    std::vector<block_id> order(ids);
+    order.insert(order.end(), ids.rbegin(), ids.rend());
+    prefetch_scheduler sched(*store, {.budget_share = 0, .staging_share = staging});
+    const std::uint64_t made = link_bytes(*store, "nvme->host");  // make_blocks' writes load the blocks
+    run_on_device(sched, order);  // recorded: on demand
+    EXPECT_EQ(link_bytes(*store, "nvme->host"), made) << "the recorded iteration staged";
+    const std::uint64_t direct_before = link_bytes(*store, "nvme->device");
+    for (int i = 0; i < 3; ++i) run_on_device(sched, order);
+    const auto t = store->telemetry();
+    results.push_back({.staged = link_bytes(*store, "nvme->host") - made,
+                       .direct = link_bytes(*store, "nvme->device") - direct_before,
+                       .from_host = link_bytes(*store, "host->device"),
+                       .prefetches = t.prefetches});
+    for (const auto& tier : t.tiers) EXPECT_LE(tier.high_water, tier.budget) << tier.name;
+    EXPECT_EQ(sched.stats().rerecords, 0u);
+  }
+  const result& off = results[0];
+  const result& on = results[1];
+  EXPECT_EQ(off.prefetches, 0u);
+  EXPECT_EQ(off.staged, 0u);
+  EXPECT_EQ(off.from_host, 0u);
+  EXPECT_GT(off.direct, 0u);
+  // Staged: the device's loads come from host memory, and NVMe is read no
+  // more than on demand (a staged copy used again soon stays; a stage that
+  // a busy machine delays past its use is read directly too, so "most").
+  EXPECT_GT(on.prefetches, 0u);
+  EXPECT_GE(on.from_host, (off.direct + off.from_host) / 2);
+  EXPECT_LE(on.staged + on.direct, off.direct + off.direct / 4);
+}
+
 TEST(Scheduler, ReRecordsWhenTheOrderChanges) {
   testing::temp_dir dir;
   auto store = make_test_store(dir.path(), 8 * mib);
@@ -232,14 +309,6 @@ TEST(OptimizerStream, StreamsSubGroupsThroughABoundedHostTier) {
     store->release(std::move(l), dirty::no);
   }
   for (const auto& tier : store->telemetry().tiers) EXPECT_LE(tier.high_water, tier.budget) << tier.name;
-}
-
-std::uint64_t link_bytes(const block_store& store, const std::string& name) {
-  for (const auto& l : store.telemetry().links) {
-    if (l.name == name) return l.bytes;
-  }
-  ADD_FAILURE() << "no link " << name;
-  return 0;
 }
 
 // Overwritten blocks are written without being read (no load from NVMe) and

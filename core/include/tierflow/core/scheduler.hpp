@@ -9,6 +9,14 @@
 //   2. waits for this access's lease (the wait is the stall, measured),
 //   3. on release, evicts the copy when its next use lies beyond the horizon.
 //
+// Staging (staging_share > 0) is a second, longer window for blocks homed
+// below the host tier (on NVMe) and used above it (on the device): their
+// bytes are loaded into the host tier ahead of use, within a share of the
+// room the host tier has beside the blocks homed there, so that an access
+// waits only for the hop from host memory — even with budget_share 0, when
+// nothing is prefetched into the device. A staged copy is evicted after its
+// use unless it is used again within the staging window.
+//
 // The lookahead is computed, not configured: far enough that the link can
 // load the upcoming blocks in the time compute spends on the accesses before
 // them (measured bandwidth of each link vs measured time between accesses),
@@ -51,6 +59,9 @@ struct scheduler_options {
   // Evict a block after its use when its next use is further than this many
   // accesses away (0: the current lookahead).
   std::size_t evict_distance = 0;
+  // Share of the host tier's room beside the blocks homed there that stages
+  // blocks homed below it and used above it (see above); 0 turns staging off.
+  double staging_share = 0;
 };
 
 struct scheduler_stats {
@@ -99,6 +110,9 @@ class prefetch_scheduler {
  private:
   void compute_next_uses();
   void prefetch_from(std::size_t position);
+  void stage_from(std::size_t position);
+  bool staged_kind(const block_access& a) const;
+  std::uint64_t host_room() const;
   std::size_t compute_lookahead() const;
 
   block_store& store_;
@@ -110,6 +124,9 @@ class prefetch_scheduler {
   std::unordered_map<std::uint64_t, std::size_t> acquired_at_;  // leased access → its position
   std::size_t position_ = 0;            // index of the next access in the schedule
   std::size_t prefetched_until_ = 0;    // accesses [position_, prefetched_until_) were hinted
+  std::size_t staged_until_ = 0;        // accesses [position_, staged_until_) were staged
+  std::size_t staging_window_ = 0;      // accesses the last staging pass covered
+  std::uint64_t staging_room_ = 0;      // the host tier's room for staging, this iteration
   bool departed_ = false;
   bool in_iteration_ = false;
   std::chrono::steady_clock::time_point last_access_end_{};

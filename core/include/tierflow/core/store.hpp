@@ -131,6 +131,9 @@ class block_store {
   // The description of `id` (valid for the store's life).
   const block_desc& describe(block_id id) const TF_EXCLUDES(mutex_);
   std::optional<block_id> find(std::string_view name) const TF_EXCLUDES(mutex_);
+  // Whether `id` has a copy in `where` that holds, or is loading, its newest
+  // bytes. A snapshot: for hints (the scheduler's), not for correctness.
+  bool present_in(block_id id, tier_kind where) const TF_EXCLUDES(mutex_);
   bool has_tier(tier_kind kind) const noexcept { return tiers_[index_of(kind)] != nullptr; }
   const tier& tier_of(tier_kind kind) const;
 
