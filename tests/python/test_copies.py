@@ -87,3 +87,14 @@ def test_copy_into_gives_the_same_values_by_either_path():
     assert sq == pytest.approx(sq_torch, rel=1e-12)
     assert norm_sq(kernel) == sq
     assert copy_into(kernel, src) == 0.0  # no norm asked, none made
+
+
+def test_copy_into_scales_a_buffer_in_place_and_refuses_a_partial_overlap_to_the_kernel():
+    x = torch.randn(40_000)
+    want = x * 0.125
+    copy_into(x, x, 0.125)
+    assert torch.equal(x, want)
+    # Overlapping but not the same elements: torch makes the copy, correctly.
+    buf = torch.arange(10, dtype=torch.float32)
+    copy_into(buf[2:6], buf[:4].clone())
+    assert buf[2:6].tolist() == [0, 1, 2, 3]

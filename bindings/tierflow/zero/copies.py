@@ -40,13 +40,21 @@ def _kernel_can_take(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in _KERNEL_DTYPES and t.is_contiguous()
 
 
+def _apart_or_same(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether the kernel may take the pair: different storages, or one
+    buffer converted onto itself (the same elements, of one dtype)."""
+    if dst.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
+        return True
+    return dst.data_ptr() == src.data_ptr() and dst.dtype == src.dtype
+
+
 def copy_into(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0, *, norm: bool = False) -> float:
     """``dst`` ← ``src`` × ``scale``, converted to ``dst``'s dtype (rounded to
     nearest even, as torch rounds). With ``norm``, returns the squared L2
     norm of what was written (fp64; inf or nan when an element is not
-    finite), else 0.0. ``dst`` and ``src`` have one number of elements."""
-    if _kernel_can_take(dst) and _kernel_can_take(src) and dst.numel() == src.numel() and \
-            dst.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
+    finite), else 0.0. ``dst`` and ``src`` have one number of elements;
+    ``dst`` may be ``src`` itself (scaled in place)."""
+    if _kernel_can_take(dst) and _kernel_can_take(src) and dst.numel() == src.numel() and _apart_or_same(dst, src):
         sq = _core.convert(_shared_executor(), src.detach(), dst.detach(), scale, sum_squares=norm)
         return float(sq) if norm else 0.0
     with torch.no_grad():

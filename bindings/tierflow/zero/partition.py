@@ -35,6 +35,7 @@ leases.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -183,7 +184,8 @@ class ParamStore:
                                  trace=trace, file_size=file_size, single_holder=True)
         self.nvme_dir = nvme_dir
         self.scheduler = _core.PrefetchScheduler(self.store, budget_share=plan.prefetch_share,
-                                                 evict_distance=plan.evict_distance)
+                                                 evict_distance=plan.evict_distance,
+                                                 staging_share=plan.staging_share)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.store.device_is_cuda \
             else torch.device("cpu")
         self.parts: list[Partition] = []
@@ -424,6 +426,39 @@ class ParamStore:
             copy_into(out, self._grad_view(lease, part), scale)
         finally:
             self._unlease(lease, dirty=False)
+
+    @property
+    def grads_in_host(self) -> bool:
+        """Whether the gradients are homed in host memory (their leases there
+        need no room, so :meth:`gradient_views` may hold them all)."""
+        return self.plan.grad_home == "host"
+
+    @contextlib.contextmanager
+    def gradient_views(self, parts: list[Partition], scale: float) -> Iterator[list[torch.Tensor | None]]:
+        """The accumulated gradients of ``parts`` (fp32, of this rank's
+        shape), multiplied by ``scale`` in place, as views of their blocks
+        held for the ``with`` block; None for a part with no gradient since
+        the last step. For a reader that takes every gradient at once
+        (ZenFlow's step) without a copy of its own; the gradients homed in
+        host memory (:attr:`grads_in_host`)."""
+        if not self.grads_in_host:
+            raise RuntimeError("gradient_views: the gradients are not homed in host memory")
+        leases, views = [], []
+        try:
+            for part in parts:
+                if part.grad_empty:
+                    views.append(None)
+                    continue
+                lease = self._lease(part.grad_block, "host", "write" if scale != 1.0 else "read")
+                leases.append((lease, scale != 1.0))
+                view = self._grad_local(lease, part)
+                if scale != 1.0:
+                    copy_into(view, view, scale)
+                views.append(view)
+            yield views
+        finally:
+            for lease, written in leases:
+                self._unlease(lease, dirty=written)
 
     def clear_grads(self) -> None:
         for part in self.parts:

@@ -127,6 +127,11 @@ class Plan:
     # accesses within which a released parameter stays (stage3_max_reuse_distance).
     prefetch_share: float = 0.75
     evict_distance: int = 0
+    # The share of the host tier's room (beside the blocks homed there: the
+    # gradients, with DeepSpeed's keys) that stages parameters homed on NVMe
+    # ahead of use — offload_param's buffers, used for what they are for,
+    # whatever the prefetch bucket (which bounds prefetch into the device).
+    staging_share: float = 0.75
     world_size: int = 1     # data-parallel ranks: the byte figures are one rank's shards
     # ZenFlow's host memory (zero/zenflow.py), (masters, moments, gradients)
     # bytes; None without zero_optimization.zenflow.
@@ -455,7 +460,9 @@ def scheduler_settings(z: Any, element: int, device_budget: int, mean_numel: flo
     """DeepSpeed's stage-3 residency keys as the prefetch scheduler's options:
     prefetches may fill ``stage3_prefetch_bucket_size`` elements (at most
     ``stage3_max_live_parameters``, at most 3/4) of the device budget — 0 turns
-    prefetch off, as in DeepSpeed — and a parameter released with its next use
+    prefetch into the device off, as in DeepSpeed (parameters on NVMe are
+    still staged into host memory ahead of use: :attr:`Plan.staging_share`)
+    — and a parameter released with its next use
     within ``stage3_max_reuse_distance`` elements (counted in accesses of the
     mean parameter's size) stays in the device tier."""
     bucket = _resolved(z.stage3_prefetch_bucket_size, 50_000_000)

@@ -148,6 +148,7 @@ class PartitionedZenFlow:
                 names.append(part.name)
             master_groups.append({**{k: v for k, v in group.items() if k != "params"},
                                   "params": masters, "param_names": names})
+        self._own_grads = [m.grad for m in self.masters]
         self._read_masters()
         self.optimizer = ZenFlow(master_groups, **options)
         self._overlap = bool(self.optimizer.schedule["overlap_step"])
@@ -175,13 +176,26 @@ class PartitionedZenFlow:
         gradient since the last step steps with a zero one (ZenFlow steps
         every parameter it holds)."""
         params = self.params
-        with torch.no_grad():
-            for part, master in zip(self.parts, self.masters):
-                if part.grad_empty:
-                    master.grad.zero_()
-                else:
-                    params.read_grad(part, master.grad, grad_scale)
-        self.optimizer.step()
+        if getattr(params, "grads_in_host", False):
+            # ZenFlow reads each gradient into buffers of its own within its
+            # step: it may read them where they lie, scaled in place, rather
+            # than through a copy into the masters' gradients.
+            with params.gradient_views(self.parts, grad_scale) as views:
+                for master, own, view in zip(self.masters, self._own_grads, views):
+                    master.grad = own.zero_() if view is None else view
+                try:
+                    self.optimizer.step()
+                finally:
+                    for master, own in zip(self.masters, self._own_grads):
+                        master.grad = own
+        else:
+            with torch.no_grad():
+                for part, master in zip(self.parts, self.masters):
+                    if part.grad_empty:
+                        master.grad.zero_()
+                    else:
+                        params.read_grad(part, master.grad, grad_scale)
+            self.optimizer.step()
         self._unfinished = True
         self._write_back()
         self.high_water = max(self.high_water, self.held_bytes())
