@@ -19,23 +19,27 @@ using detail::tile_elements;
 
 namespace {
 
-// Σ x² over data[0, n) in fp64, in order. Four running sums hide the
-// latency of the additions; how the elements fall among them is fixed by
-// their index, so the result is too.
+// Σ x² over data[0, n) in fp64, in order. Element i is added into running
+// sum i % 16 (the compiler keeps them in vector registers: 16 lanes fill
+// whole vectors of every width), and the sums are then added in a fixed
+// tree, so the result is one set of bits on every target.
 double squares_in_order(const float* data, std::size_t n) {
-  double s[4] = {0, 0, 0, 0};
+  constexpr std::size_t lanes = 16;
+  double s[lanes] = {};
   std::size_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    for (std::size_t k = 0; k < 4; ++k) {
+  for (; i + lanes <= n; i += lanes) {
+    for (std::size_t k = 0; k < lanes; ++k) {
       const double x = data[i + k];
       s[k] += x * x;
     }
   }
-  for (; i < n; ++i) {
+  for (std::size_t k = 0; i < n; ++i, ++k) {
     const double x = data[i];
-    s[0] += x * x;
+    s[k] += x * x;
   }
-  return (s[0] + s[1]) + (s[2] + s[3]);
+  for (std::size_t width = lanes / 2; width > 0; width /= 2)
+    for (std::size_t k = 0; k < width; ++k) s[k] += s[k + width];
+  return s[0];
 }
 
 // Σ x² over elements [first, last) of `data` (of `type`), in order, a piece
