@@ -24,7 +24,8 @@ are its own), one at a time:
       host memory, as DeepSpeed's ZenFlow requires);
   (d'') (d) under (b')'s config: prefetch on, which (b) turns off (with
       stage3_prefetch_bucket_size 0 tierflow, as DeepSpeed, loads each
-      module's parameters when it is reached);
+      module's parameters into the device when it is reached, from host
+      memory, where offload_param's buffers have staged them from NVMe);
   (e) DeepSpeed's ZenFlow: stage 2, offload_optimizer cpu, topk_ratio 0.1,
       update_interval 4, overlap_step true;
   (f) tierflow's ZenFlow under (e)'s config (the bf16 model's fp32 masters
