@@ -418,46 +418,34 @@ class ParamStore:
         finally:
             self._unlease(lease, dirty=False)
 
-    def read_grad(self, part: Partition, out: torch.Tensor, scale: float) -> None:
-        """Writes ``part``'s accumulated gradient times ``scale`` into ``out``
-        (fp32, the parameter's shape)."""
-        lease = self._lease(part.grad_block, "host", "read")
-        try:
-            copy_into(out, self._grad_view(lease, part), scale)
-        finally:
-            self._unlease(lease, dirty=False)
-
-    @property
-    def grads_in_host(self) -> bool:
-        """Whether the gradients are homed in host memory (their leases there
-        need no room, so :meth:`gradient_views` may hold them all)."""
-        return self.plan.grad_home == "host"
-
     @contextlib.contextmanager
-    def gradient_views(self, parts: list[Partition], scale: float) -> Iterator[list[torch.Tensor | None]]:
-        """The accumulated gradients of ``parts`` (fp32, of this rank's
-        shape), multiplied by ``scale`` in place, as views of their blocks
-        held for the ``with`` block; None for a part with no gradient since
-        the last step. For a reader that takes every gradient at once
-        (ZenFlow's step) without a copy of its own; the gradients homed in
-        host memory (:attr:`grads_in_host`)."""
-        if not self.grads_in_host:
-            raise RuntimeError("gradient_views: the gradients are not homed in host memory")
-        leases, views = [], []
+    def gradients(self, parts: list[Partition], buffers: list[torch.Tensor],
+                  scale: float) -> Iterator[list[torch.Tensor]]:
+        """For a reader that takes every gradient at once (ZenFlow's step):
+        the accumulated gradient of each of ``parts`` times ``scale`` (fp32,
+        the parameter's shape) as a view of its block, scaled in place and
+        held for the ``with`` block; a part with no gradient since the last
+        step gives its ``buffers`` entry, zeroed. The gradients must be homed
+        in host memory (ZenFlow's plan homes them there), where holding them
+        all takes no room."""
+        if self.plan.grad_home != "host":
+            raise RuntimeError("ParamStore.gradients: the gradients are not homed in host memory")
+        written = scale != 1.0
+        leases, out = [], []
         try:
-            for part in parts:
+            for part, buffer in zip(parts, buffers):
                 if part.grad_empty:
-                    views.append(None)
+                    out.append(buffer.zero_())
                     continue
-                lease = self._lease(part.grad_block, "host", "write" if scale != 1.0 else "read")
-                leases.append((lease, scale != 1.0))
-                view = self._grad_local(lease, part)
-                if scale != 1.0:
+                lease = self._lease(part.grad_block, "host", "write" if written else "read")
+                leases.append(lease)
+                view = self._grad_view(lease, part)
+                if written:
                     copy_into(view, view, scale)
-                views.append(view)
-            yield views
+                out.append(view)
+            yield out
         finally:
-            for lease, written in leases:
+            for lease in leases:
                 self._unlease(lease, dirty=written)
 
     def clear_grads(self) -> None:

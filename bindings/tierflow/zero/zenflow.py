@@ -11,7 +11,9 @@ masters. With "nvme" (beyond DeepSpeed's ZenFlow, which refuses it) the
 windowed side's own masters and moments are files, streamed a weight at a
 time by each of its steps (``ZenFlow(offload="nvme")``); the masters here
 stay in host memory. At each accumulation boundary every parameter's accumulated
-gradient comes from its block into its master's ``.grad``, ZenFlow steps, and
+gradient is its master's ``.grad`` for the step (a view of its block, scaled
+in place, when the gradients are homed in host memory, as with ZenFlow they
+are: ZenFlow reads each into buffers of its own), ZenFlow steps, and
 every master is written back into its compute block (rounded to the compute
 dtype) through the store, from where the next forward leases it.
 
@@ -42,8 +44,9 @@ master written back into the parameter (rounded to its dtype).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -97,8 +100,17 @@ class ResidentParams:
     def part_of(self, p: Any) -> _ResidentPart | None:
         return self._parts.get(id(p))
 
-    def read_grad(self, part: _ResidentPart, out: torch.Tensor, scale: float) -> None:
-        copy_into(out, part.param.grad, scale)
+    @contextlib.contextmanager
+    def gradients(self, parts: list[_ResidentPart], buffers: list[torch.Tensor],
+                  scale: float) -> Iterator[list[torch.Tensor]]:
+        """:meth:`ParamStore.gradients`: each ``.grad`` times ``scale`` copied
+        into its fp32 buffer (zeroed without one)."""
+        for part, buffer in zip(parts, buffers):
+            if part.grad_empty:
+                buffer.zero_()
+            else:
+                copy_into(buffer, part.param.grad, scale)
+        yield buffers
 
     def read(self, part: _ResidentPart) -> torch.Tensor:
         return part.param.detach()
@@ -175,27 +187,16 @@ class PartitionedZenFlow:
         master written back to its compute block. A parameter without a
         gradient since the last step steps with a zero one (ZenFlow steps
         every parameter it holds)."""
-        params = self.params
-        if getattr(params, "grads_in_host", False):
-            # ZenFlow reads each gradient into buffers of its own within its
-            # step: it may read them where they lie, scaled in place, rather
-            # than through a copy into the masters' gradients.
-            with params.gradient_views(self.parts, grad_scale) as views:
-                for master, own, view in zip(self.masters, self._own_grads, views):
-                    master.grad = own.zero_() if view is None else view
-                try:
-                    self.optimizer.step()
-                finally:
-                    for master, own in zip(self.masters, self._own_grads):
-                        master.grad = own
-        else:
-            with torch.no_grad():
-                for part, master in zip(self.parts, self.masters):
-                    if part.grad_empty:
-                        master.grad.zero_()
-                    else:
-                        params.read_grad(part, master.grad, grad_scale)
-            self.optimizer.step()
+        # ZenFlow reads each gradient into buffers of its own within its
+        # step: it reads them where the store keeps them when it can.
+        with self.params.gradients(self.parts, self._own_grads, grad_scale) as grads:
+            for master, grad in zip(self.masters, grads):
+                master.grad = grad
+            try:
+                self.optimizer.step()
+            finally:
+                for master, own in zip(self.masters, self._own_grads):
+                    master.grad = own
         self._unfinished = True
         self._write_back()
         self.high_water = max(self.high_water, self.held_bytes())
