@@ -297,6 +297,7 @@ class zenflow_engine {
     out["refreshes"] = s.refreshes;
     out["wait_for_cpu_s"] = std::chrono::duration<double>(s.wait_for_cpu).count();
     out["cpu_step_s"] = std::chrono::duration<double>(s.cpu_step_time).count();
+    out["cpu_step_pace_s"] = std::chrono::duration<double>(s.cpu_step_pace).count();
     return out;
   }
 

@@ -16,6 +16,35 @@ access mode_of(const sub_group& g, std::size_t k) { return g.modes.empty() ? acc
 
 }  // namespace
 
+void stream_pace::reset(std::chrono::nanoseconds spread_over) {
+  lock_guard lock(mutex_);
+  spread_over_ = spread_over;
+  hurried_ = false;
+}
+
+std::chrono::nanoseconds stream_pace::spread_over() const {
+  lock_guard lock(mutex_);
+  return hurried_ ? std::chrono::nanoseconds{0} : spread_over_;
+}
+
+void stream_pace::hurry() {
+  {
+    lock_guard lock(mutex_);
+    hurried_ = true;
+  }
+  cv_.notify_all();
+}
+
+bool stream_pace::hurried() const {
+  lock_guard lock(mutex_);
+  return hurried_;
+}
+
+void stream_pace::wait_until(clock::time_point deadline) {
+  unique_lock lock(mutex_);
+  while (!hurried_ && clock::now() < deadline) lock.wait_until(cv_, deadline);
+}
+
 optimizer_stream_stats run_optimizer_stream(block_store& store, std::span<const sub_group> groups,
                                             const sub_group_update& update,
                                             const optimizer_stream_options& options) {
@@ -27,6 +56,18 @@ optimizer_stream_stats run_optimizer_stream(block_store& store, std::span<const 
   }
   optimizer_stream_stats stats;
   const auto start = clock::now();
+  // The bytes before each sub-group, for the pace.
+  std::vector<std::uint64_t> before;
+  const bool paced = options.pace != nullptr && options.pace->spread_over() > std::chrono::nanoseconds{0};
+  if (paced) {
+    before.reserve(groups.size() + 1);
+    before.push_back(0);
+    for (const auto& g : groups) {
+      std::uint64_t bytes = 0;
+      for (const block_id b : g.blocks) bytes += aligned_size(store.describe(b).size_bytes);
+      before.push_back(before.back() + bytes);
+    }
+  }
   std::size_t hinted = 0;  // sub-groups [0, hinted) have had their prefetch hints
   auto hint_until = [&](std::size_t end) {
     for (; hinted < std::min(end, groups.size()); ++hinted) {
@@ -43,6 +84,17 @@ optimizer_stream_stats run_optimizer_stream(block_store& store, std::span<const 
   std::vector<std::span<std::byte>> buffers;
   for (std::size_t i = 0; i < groups.size(); ++i) {
     const sub_group& g = groups[i];
+    if (paced && i > 0 && before.back() > 0) {
+      // Its share of the span: neither its loads nor its update start before then.
+      const double share = static_cast<double>(before[i]) / static_cast<double>(before.back());
+      const auto due = start + std::chrono::duration_cast<clock::duration>(
+                                   std::chrono::duration<double>(options.pace->spread_over()) * share);
+      const auto held = clock::now();
+      if (held < due) {
+        options.pace->wait_until(due);
+        stats.paced += clock::now() - held;
+      }
+    }
     // read(i+1 .. i+depth-1) while i is updated.
     hint_until(i + (options.overlap_io ? options.depth : 1));
     leases.clear();

@@ -141,7 +141,8 @@ void streamed_state::set_fresh_chunks(std::size_t t, std::size_t key, std::vecto
   tensors_[t].fresh[key] = std::move(fresh);
 }
 
-optimizer_stream_stats streamed_state::stream(std::span<const pass_item> items, const chunk_update& update) {
+optimizer_stream_stats streamed_state::stream(std::span<const pass_item> items, const chunk_update& update,
+                                              stream_pace* pace) {
   // Everything is checked before the first lease, so a refused pass changes nothing.
   struct chunk_ref {
     std::size_t item, chunk;
@@ -170,6 +171,7 @@ optimizer_stream_stats streamed_state::stream(std::span<const pass_item> items, 
   stream_options.depth = options_.depth;
   stream_options.stage = options_.stage;
   stream_options.evict_after_update = options_.home != options_.stage;
+  stream_options.pace = pace;
   std::vector<std::span<float>> buffers;
   return run_optimizer_stream(
       store_, groups,

@@ -340,6 +340,61 @@ TEST(OptimizerStream, OverwrittenBlocksAreNotReadAndReadOnesAreNotWritten) {
   EXPECT_EQ(link_bytes(*store, "nvme->host") - read_before, 6 * block);
 }
 
+// A paced stream: sub-group i starts no earlier than its share of the span
+// (four equal sub-groups over 200 ms: at 0, 50, 100 and 150 ms), and every
+// byte is still updated; hurry() from another thread ends the pacing at once.
+TEST(OptimizerStream, APacedStreamSpreadsItsSubGroupsAndHurryEndsThePace) {
+  using namespace std::chrono_literals;
+  using clock = std::chrono::steady_clock;
+  testing::temp_dir dir;
+  constexpr std::uint64_t block = 64 * 1024;
+  auto store = make_test_store(dir.path(), 16 * block);
+  const auto ids = make_blocks(*store, 4, block, "s");
+  std::vector<sub_group> groups(4);
+  for (std::size_t g = 0; g < 4; ++g) groups[g].blocks = {ids[g]};
+  std::vector<clock::duration> started;
+  clock::time_point t0;
+  const auto update = [&](std::size_t, std::span<const std::span<std::byte>> b) {
+    started.push_back(clock::now() - t0);
+    float* f = reinterpret_cast<float*>(b[0].data());
+    for (std::size_t i = 0; i < b[0].size() / sizeof(float); ++i) f[i] += 1.0f;
+  };
+
+  optimizer_stream_options options;
+  const auto plain = run_optimizer_stream(*store, groups, update, options);
+  EXPECT_EQ(plain.paced, 0ns);
+
+  stream_pace pace(200ms);
+  options.pace = &pace;
+  started.clear();
+  t0 = clock::now();
+  const auto paced = run_optimizer_stream(*store, groups, update, options);
+  ASSERT_EQ(started.size(), 4u);
+  for (std::size_t i = 1; i < 4; ++i) EXPECT_GE(started[i], i * 50ms) << "sub-group " << i;
+  EXPECT_GT(paced.paced, 0ns);
+  EXPECT_LE(paced.paced, paced.total);
+  for (std::size_t k = 0; k < 4; ++k) {
+    lease l = store->acquire(ids[k], tier_kind::host);
+    EXPECT_TRUE(all_equal(l.wait(), static_cast<float>(k) + 2.0f)) << "block " << k;
+    store->release(std::move(l), dirty::no);
+  }
+
+  // A span of a minute, hurried after 20 ms: the stream ends long before.
+  pace.reset(std::chrono::minutes(1));
+  EXPECT_FALSE(pace.hurried());
+  std::thread hurrier([&] {
+    std::this_thread::sleep_for(20ms);
+    pace.hurry();
+  });
+  const auto hurried = run_optimizer_stream(*store, groups, update, options);
+  hurrier.join();
+  EXPECT_LT(hurried.total, 30s);
+  EXPECT_TRUE(pace.hurried());
+  EXPECT_EQ(pace.spread_over(), 0ns);  // hurried: a stream started now is not paced
+  pace.reset(10ms);
+  EXPECT_EQ(pace.spread_over(), 10ms);
+}
+
 TEST(OptimizerStream, AnUpdateThatThrowsStopsTheStepAndLeavesEarlierGroupsWritten) {
   testing::temp_dir dir;
   constexpr std::uint64_t block = 64 * 1024;

@@ -4,8 +4,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <functional>
 #include <random>
+#include <thread>
 #include <utility>
 
 #include <gtest/gtest.h>
@@ -614,6 +617,66 @@ TEST(ZenflowEngine, OverlappedCpuStepRunsOnTheOptimizerShareOfTheCores) {
   }
   // The trainer's own thread is left as it was.
   EXPECT_EQ(current_affinity().size(), split_cores(0.0).optimizer.size());
+}
+
+// A host state that reports the pace of each paced pass and, when asked to,
+// holds the pass until hurried (a state streamed from storage would spread
+// its I/O over it), then runs it over a state in memory.
+class paced_host_state final : public host_state {
+ public:
+  paced_host_state(const std::vector<weight_shape>& weights, std::size_t states, bool hold)
+      : inner(weights, states), hold_(hold) {}
+  void for_each(std::span<const std::size_t> weights,
+                const std::function<void(std::size_t, const host_buffers&)>& fn) override {
+    inner.for_each(weights, fn);
+  }
+  void for_each_paced(std::span<const std::size_t> weights,
+                      const std::function<void(std::size_t, const host_buffers&)>& fn, stream_pace& pace) override {
+    spreads.push_back(pace.spread_over());
+    if (hold_) pace.wait_until(std::chrono::steady_clock::now() + std::chrono::minutes(1));
+    inner.for_each(weights, fn);
+  }
+  memory_host_state inner;
+  std::vector<std::chrono::nanoseconds> spreads;  // written by the engine's CPU-step thread
+ private:
+  bool hold_;
+};
+
+// Overlapped with a fixed update_interval, the CPU step is paced over 3/4 of
+// the window the steps so far measure (here at least 4 × 10 ms); a trainer
+// that waits for it (a boundary, finish(), the engine's end) hurries it.
+TEST(ZenflowEngine, OverlappedCpuStepIsPacedOverTheWindowAndHurriedWhenWaitedFor) {
+  using namespace std::chrono_literals;
+  adam_rule rule;
+  const auto weights = model();
+  for (const bool hold : {false, true}) {
+    SCOPED_TRACE(hold ? "a pass held until hurried" : "a pass in memory");
+    paced_host_state host(weights, rule.state_count(), hold);
+    standin_device device(weights, rule);
+    for (std::size_t w = 0; w < weights.size(); ++w) {
+      const auto init = initial(w, weights[w].elements());
+      device.initialize(w, init);
+      std::copy(init.begin(), init.end(), host.inner.buffers(w).param.begin());
+    }
+    const auto started = std::chrono::steady_clock::now();
+    {
+      engine eng(step_config(0.25, 4, 1000, true), weights, device, host, rule);
+      for (std::uint64_t s = 0; s < 12; ++s) {
+        for (std::size_t w = 0; w < weights.size(); ++w) fill_gradient(device.gradient(w), w, s);
+        std::this_thread::sleep_for(10ms);  // the forward and backward
+        eng.step();
+      }
+      eng.finish();
+      ASSERT_GE(host.spreads.size(), 3u);
+      // The first window may end before two steps were timed; the later ones
+      // are paced. (The last may be hurried by finish() before its pass asks.)
+      for (std::size_t k = 1; k + 1 < host.spreads.size(); ++k)
+        EXPECT_GE(host.spreads[k], 30ms) << "window " << k;
+      EXPECT_GE(eng.stats().cpu_step_pace, 30ms);
+    }
+    // Held passes end when the trainer waits (each boundary, finish()), not after a minute each.
+    EXPECT_LT(std::chrono::steady_clock::now() - started, 30s);
+  }
 }
 
 TEST(ZenflowEngine, RefusesBadSetups) {

@@ -13,6 +13,13 @@ namespace {
 
 using clock = std::chrono::steady_clock;
 
+// The share of an update window over which the overlapped CPU step spreads
+// its pass (close_window). Measured on a 25M-parameter model with its state
+// on NVMe at update_interval 4: 3/4 took the step from 0.354 s to 0.338 s
+// (0.557 s to 0.494 s on a busier disk); 9/10 no faster, and the trainer
+// then waited at a third of the boundaries for the end of the pass.
+constexpr double pace_share = 0.75;
+
 // The sorted columns of `a` that are not in `b` (both ascending).
 std::vector<std::uint32_t> difference(std::span<const std::uint32_t> a, std::span<const std::uint32_t> b) {
   std::vector<std::uint32_t> out;
@@ -90,6 +97,7 @@ engine::engine(const config& cfg, std::vector<weight_shape> weights, device_side
 }
 
 engine::~engine() {
+  pace_.hurry();  // a paced CPU step in flight finishes at once
   {
     lock_guard lock(mutex_);
     stop_ = true;
@@ -154,6 +162,14 @@ bool engine::device_waits_for_step() const {
 
 step_report engine::step() {
   const auto started = clock::now();
+  if (last_step_at_ != clock::time_point{}) {
+    auto interval = std::chrono::duration_cast<std::chrono::nanoseconds>(started - last_step_at_);
+    // A step far slower than usual (an evaluation or a checkpoint between
+    // two) counts as twice the usual at most.
+    if (step_interval_.count() > 0) interval = std::min(interval, 2 * step_interval_);
+    step_interval_ = step_interval_.count() == 0 ? interval : (3 * step_interval_ + interval) / 4;
+  }
+  last_step_at_ = started;
   const bool updated_before = device_updated_;
   update_device();
   step_report report;
@@ -454,6 +470,19 @@ void engine::close_window() {
     apply_window(win);
     return;
   }
+  // The CPU step has the next window to finish in: with a state streamed
+  // from storage it spreads its pass over three quarters of it (the steps
+  // measured so far tell how long that is), rather than reading and writing
+  // the whole state in one burst while the next steps read their own data
+  // from the same storage. The last quarter leaves room for a slower step,
+  // and a trainer that waits for the pass hurries it (wait_and_apply).
+  std::chrono::nanoseconds spread{0};
+  if (schedule_.update_interval && step_interval_.count() > 0) {
+    spread = std::chrono::duration_cast<std::chrono::nanoseconds>(
+        step_interval_ * static_cast<double>(*schedule_.update_interval) * pace_share);
+  }
+  pace_.reset(spread);
+  stats_.cpu_step_pace = spread;
   {
     lock_guard lock(mutex_);
     TF_ASSERT(pending_ == nullptr && finished_ == nullptr);
@@ -464,7 +493,7 @@ void engine::close_window() {
   current_ ^= 1;  // the other window was applied and emptied: it accumulates next
 }
 
-void engine::run_cpu_step(window& win) {
+void engine::run_cpu_step(window& win, stream_pace* pace) {
   const auto started = clock::now();
   const bool updates = win.steps > 0;
   std::vector<std::size_t> todo;
@@ -473,7 +502,7 @@ void engine::run_cpu_step(window& win) {
       todo.push_back(w);
   }
   if (!todo.empty()) {
-    host_.for_each(todo, [&](std::size_t w, const host_buffers& buffers) {
+    const auto each = [&](std::size_t w, const host_buffers& buffers) {
       // The columns that left the device at this window's end come home
       // first; the window's own columns are updated; then the columns a
       // refresh will move to the device are copied out, as updated.
@@ -487,7 +516,12 @@ void engine::run_cpu_step(window& win) {
         std::vector<std::uint32_t> columns = std::move(win.entering[w].columns);
         win.entering[w] = pack(w, columns, buffers);
       }
-    });
+    };
+    if (pace != nullptr) {
+      host_.for_each_paced(todo, each, *pace);
+    } else {
+      host_.for_each(todo, each);
+    }
   }
   win.steps = 0;
   win.duration = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - started);
@@ -537,6 +571,7 @@ void engine::update_run(window& win, std::size_t w, column_run run, std::span<fl
 void engine::wait_and_apply() {
   window* done = nullptr;
   if (config_.overlap_step) {
+    pace_.hurry();  // the trainer waits: the CPU step in flight goes at full speed
     unique_lock lock(mutex_);
     while (pending_ != nullptr) lock.wait(cv_);
     done = std::exchange(finished_, nullptr);
@@ -572,7 +607,7 @@ void engine::worker_loop() {
     }
     std::exception_ptr error;
     try {
-      run_cpu_step(*win);
+      run_cpu_step(*win, &pace_);
     } catch (...) {
       error = std::current_exception();
     }

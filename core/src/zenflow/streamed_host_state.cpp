@@ -87,8 +87,15 @@ void streamed_host_state::for_each(std::span<const std::size_t> weights,
   pass(weights, false, fn);
 }
 
+void streamed_host_state::for_each_paced(std::span<const std::size_t> weights,
+                                         const std::function<void(std::size_t, const host_buffers&)>& fn,
+                                         stream_pace& pace) {
+  lock_guard lock(mutex_);
+  pass(weights, false, fn, &pace);
+}
+
 void streamed_host_state::pass(std::span<const std::size_t> weights, bool fill,
-                               const std::function<void(std::size_t, const host_buffers&)>& fn) {
+                               const std::function<void(std::size_t, const host_buffers&)>& fn, stream_pace* pace) {
   if (weights.empty()) return;
   const access mode = fill ? access::overwrite : access::write;
   std::vector<streamed_state::pass_item> items;
@@ -105,11 +112,12 @@ void streamed_host_state::pass(std::span<const std::size_t> weights, bool fill,
                          .state0 = all.subspan(n, n),
                          .state1 = state_count_ == 2 ? all.subspan(2 * n, n) : std::span<float>()};
     fn(weights[c.item], b);
-  });
+  }, pace);
   totals_.total += s.total;
   totals_.update += s.update;
   totals_.wait += s.wait;
   totals_.flush += s.flush;
+  totals_.paced += s.paced;
   totals_.bytes += s.bytes;
 }
 

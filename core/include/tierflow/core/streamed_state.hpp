@@ -120,7 +120,9 @@ class streamed_state {
   // fresh in the keys it wrote. Throws what run_optimizer_stream throws: the
   // chunks before the failing one stay updated and written, the failing
   // chunk's blocks keep their old bytes unless its update had run.
-  optimizer_stream_stats stream(std::span<const pass_item> items, const chunk_update& update);
+  // `pace` (may be null) spreads the pass over time (stream_pace).
+  optimizer_stream_stats stream(std::span<const pass_item> items, const chunk_update& update,
+                                stream_pace* pace = nullptr);
 
  private:
   struct tensor_record {

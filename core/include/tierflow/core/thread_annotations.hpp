@@ -6,6 +6,7 @@
 // scripts/thread_safety.sh runs the analysis.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 
@@ -72,6 +73,10 @@ class TF_SCOPED_CAPABILITY unique_lock {
   // condition (`while (!ready) lock.wait(cv);`), which the analysis then
   // checks with the lock held.
   void wait(std::condition_variable& cv) { cv.wait(lock_); }
+  // The same, but returns by `deadline` at the latest.
+  void wait_until(std::condition_variable& cv, std::chrono::steady_clock::time_point deadline) {
+    cv.wait_until(lock_, deadline);
+  }
 
  private:
   std::unique_lock<std::mutex> lock_;

@@ -12,7 +12,11 @@
 //      keeps its own newer values for the selected columns);
 //   5. start the CPU step over this window's accumulated gradient, on the
 //      optimizer threads, overlapped with the next window's steps
-//      (overlap_step), or run it at once (no overlap).
+//      (overlap_step), or run it at once (no overlap). Overlapped, with a
+//      fixed update_interval, it is paced over 3/4 of the window (as long as
+//      the steps so far took): a host state streamed from storage spreads
+//      its reads and writes (host_state::for_each_paced) instead of taking
+//      the storage from the next steps' own reads in one burst.
 // Staleness is bounded by one window: the host-owned columns the device
 // computes with are at most one window behind (asserted at every upload).
 //
@@ -56,6 +60,7 @@
 #include <vector>
 
 #include "tierflow/core/affinity.hpp"
+#include "tierflow/core/optimizer_stream.hpp"
 #include "tierflow/core/thread_annotations.hpp"
 #include "tierflow/core/zenflow/config.hpp"
 #include "tierflow/core/zenflow/selection.hpp"
@@ -197,6 +202,17 @@ class host_state {
   // returns. May stream (read ahead, write behind).
   virtual void for_each(std::span<const std::size_t> weights,
                         const std::function<void(std::size_t, const host_buffers&)>& fn) = 0;
+  // The same pass with a pace, for the CPU step that runs beside training
+  // (overlap_step): a state streamed from storage spreads its I/O by `pace`
+  // (stream_pace), so the training step's own reads of that storage are
+  // not crowded out in one burst at the window's start. A state in memory
+  // has no I/O to spread and runs the pass at once (the default).
+  virtual void for_each_paced(std::span<const std::size_t> weights,
+                              const std::function<void(std::size_t, const host_buffers&)>& fn,
+                              stream_pace& pace) {
+    (void)pace;
+    for_each(weights, fn);
+  }
 };
 
 // The device side of ZenFlow: the device's copy of the parameters and the
@@ -276,7 +292,10 @@ struct engine_stats {
   std::uint64_t cpu_steps = 0;
   std::uint64_t refreshes = 0;  // hand-overs, the first selection among them
   std::chrono::nanoseconds wait_for_cpu{0};
-  std::chrono::nanoseconds cpu_step_time{0};  // summed duration of the CPU steps
+  std::chrono::nanoseconds cpu_step_time{0};  // summed duration of the CPU steps, their pacing included
+  // The span the last overlapped CPU step was asked to spread its pass over
+  // (host_state::for_each_paced); zero when it was not paced.
+  std::chrono::nanoseconds cpu_step_pace{0};
 };
 
 // The engine's own state at a quiet moment (after finish()): with the
@@ -430,7 +449,7 @@ class engine {
   void unpack(std::size_t w, const column_state& state, const host_buffers& buffers) const;
   void rebase_state(std::size_t w, column_state& state, std::int64_t from_step, std::int64_t to_step);
   void close_window();
-  void run_cpu_step(window& win);
+  void run_cpu_step(window& win, stream_pace* pace = nullptr);
   void update_host_columns(window& win, std::size_t w, std::span<const column_run> runs,
                            const host_buffers& buffers, std::int64_t host_step);
   void update_run(window& win, std::size_t w, column_run run, std::span<float> param, std::span<float> state0,
@@ -477,6 +496,14 @@ class engine {
   bool entered_now_ = false;                        // columns chosen a window ago entered the device
   std::chrono::nanoseconds device_update_time_{0};  // not counting device_update_wait_
   std::chrono::nanoseconds device_update_wait_{0};  // for the CPU step that staged them
+
+  // The time between step() calls, smoothed: what an update window lasts,
+  // for the pace of the CPU step overlapped with it.
+  std::chrono::steady_clock::time_point last_step_at_{};
+  std::chrono::nanoseconds step_interval_{0};
+  // The pace of the CPU step in flight: reset when a window is handed to
+  // the worker, hurried as soon as the trainer waits for it.
+  stream_pace pace_;
 
   // The CPU step in flight: at most one (staleness ≤ one window).
   mutex mutex_;

@@ -79,18 +79,23 @@ class streamed_host_state final : public host_state {
   // everything is home.
   void for_each(std::span<const std::size_t> weights,
                 const std::function<void(std::size_t, const host_buffers&)>& fn) override;
+  // The same, the stream spread over time by `pace`.
+  void for_each_paced(std::span<const std::size_t> weights,
+                      const std::function<void(std::size_t, const host_buffers&)>& fn, stream_pace& pace) override;
 
   // The bytes of every matrix's blocks at home, and of the largest one's
   // buffers (a pass's minimum in the stage tier).
   std::uint64_t home_bytes() const TF_EXCLUDES(mutex_);
   std::uint64_t largest_weight_bytes() const noexcept { return largest_; }
   // Summed over every pass so far: time in the engine's work, waiting for
-  // loads and for the last write-backs, and bytes streamed.
+  // loads and for the last write-backs, held back by a pace, and bytes
+  // streamed.
   optimizer_stream_stats totals() const TF_EXCLUDES(mutex_);
 
  private:
   void pass(std::span<const std::size_t> weights, bool fill,
-            const std::function<void(std::size_t, const host_buffers&)>& fn) TF_REQUIRES(mutex_);
+            const std::function<void(std::size_t, const host_buffers&)>& fn, stream_pace* pace = nullptr)
+      TF_REQUIRES(mutex_);
 
   std::size_t state_count_;
   std::vector<std::size_t> tensor_;  // per weight, its tensor in state_ (npos: a 1-D weight)
