@@ -47,19 +47,25 @@ void prefetch_scheduler::set_schedule(std::vector<block_access> accesses) {
 
 void prefetch_scheduler::compute_next_uses() {
   const std::size_t n = schedule_.size();
-  next_use_.assign(n, n);  // an access used once per iteration comes back after n
-  std::unordered_map<std::uint64_t, std::size_t> later;  // key → next position seen (scanning back)
-  // Two backward passes make the distances cyclic.
-  for (std::size_t pass = 0; pass < 2; ++pass) {
-    for (std::size_t i = n; i-- > 0;) {
-      const std::uint64_t k = key_of(schedule_[i]);
-      if (auto it = later.find(k); it != later.end()) {
-        const std::size_t next = it->second;
-        next_use_[i] = next > i ? next - i : next + n - i;
+  // The distance from each access to the next one with the same key: an
+  // access used once per iteration comes back after n. Two backward passes
+  // make the distances cyclic.
+  const auto distances = [&](std::vector<std::size_t>& out, auto key) {
+    out.assign(n, n);
+    std::unordered_map<std::uint64_t, std::size_t> later;  // key → next position seen (scanning back)
+    for (std::size_t pass = 0; pass < 2; ++pass) {
+      for (std::size_t i = n; i-- > 0;) {
+        const std::uint64_t k = key(schedule_[i]);
+        if (auto it = later.find(k); it != later.end()) {
+          const std::size_t next = it->second;
+          out[i] = next > i ? next - i : next + n - i;
+        }
+        later[k] = i;
       }
-      later[k] = i;
     }
-  }
+  };
+  distances(next_use_, key_of);
+  distances(next_block_use_, [](const block_access& a) { return std::uint64_t{a.block.value}; });
 }
 
 std::size_t prefetch_scheduler::compute_lookahead() const {
@@ -139,12 +145,33 @@ bool prefetch_scheduler::staged_kind(const block_access& a) const {
 void prefetch_scheduler::stage_from(std::size_t position) {
   const std::size_t n = schedule_.size();
   std::uint64_t room = staging_room_;
+  // Blocks seen in the window: true once staged (or found on its way), false
+  // when overwritten before any read — what follows reads the new bytes, not
+  // the stored ones, so they are not staged now, and a later pass, past the
+  // overwrite, stages them (staged_until_ stops at the first skipped). An
+  // overwrite in the host tier of a block homed below it takes its share of
+  // the room too: its copy stays there until it is written back, and staging
+  // past it would only have the caller's writes evict what was staged.
   std::unordered_map<std::uint64_t, bool> counted;
+  std::size_t skipped = position + n;
   std::size_t j = position;
   for (; j < position + n && j <= position + options_.max_lookahead; ++j) {
     const block_access& a = schedule_[j % n];
-    if (!staged_kind(a) || !counted.emplace(a.block.value, true).second) continue;
-    const std::uint64_t bytes = aligned_size(store_.describe(a.block).size_bytes);
+    const block_desc& d = store_.describe(a.block);
+    if (a.mode == access::overwrite) {
+      if (!counted.emplace(a.block.value, false).second) continue;
+      if (a.where != tier_kind::host || index_of(d.home) <= index_of(tier_kind::host)) continue;
+      const std::uint64_t bytes = aligned_size(d.size_bytes);
+      if (bytes > room) break;
+      room -= bytes;
+      continue;
+    }
+    if (!staged_kind(a)) continue;
+    if (const auto [seen, first] = counted.emplace(a.block.value, true); !first) {
+      if (!seen->second) skipped = std::min(skipped, j);
+      continue;
+    }
+    const std::uint64_t bytes = aligned_size(d.size_bytes);
     if (bytes > room) break;  // the host tier's room bounds the window
     room -= bytes;
     // Past the device's prefetch window (those load straight to the device),
@@ -152,7 +179,7 @@ void prefetch_scheduler::stage_from(std::size_t position) {
     if (j > position && j >= staged_until_ && j >= prefetched_until_ && !store_.present_in(a.block, a.where))
       store_.prefetch(a.block, tier_kind::host, traffic_class::prefetch);
   }
-  staged_until_ = std::max(staged_until_, j);
+  staged_until_ = std::max(staged_until_, std::min(j, skipped));
   staging_window_ = j - position;
 }
 
@@ -229,7 +256,14 @@ void prefetch_scheduler::release(lease&& l, dirty d) {
   const std::size_t p = it->second;
   acquired_at_.erase(it);
   const std::size_t horizon = options_.evict_distance ? options_.evict_distance : stats_.lookahead;
-  if (next_use_[p] > horizon) store_.evict(done.block, done.where);
+  // A host copy of a block homed below the host tier that the caller wrote
+  // stays while the block's next use, in any tier, is within the staging
+  // window: that use reads it here (staged by the write itself).
+  const bool written = done.mode != access::read && d == dirty::yes;
+  const bool kept = staging_room_ > 0 && written && done.where == tier_kind::host &&
+                    index_of(store_.describe(done.block).home) > index_of(tier_kind::host) &&
+                    next_block_use_[p] <= staging_window_;
+  if (!kept && next_use_[p] > horizon) store_.evict(done.block, done.where);
   // A staged copy makes room for the next ones unless it is used again soon.
   if (staging_room_ > 0 && next_use_[p] > staging_window_ && staged_kind(done))
     store_.evict(done.block, tier_kind::host);

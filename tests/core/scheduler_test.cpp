@@ -183,6 +183,63 @@ TEST(Scheduler, StagesNvmeBlocksInHostMemoryWhenDevicePrefetchIsOff) {
   EXPECT_LE(on.staged + on.direct, off.direct + off.direct / 4);
 }
 
+// An optimizer's pass after the backward overwrites every block's host copy
+// (last layer first, as ZenFlow writes its masters back). Staging then must
+// not read a block ahead of its overwrite (those bytes would be discarded),
+// and the copies written last, which the next forward reads first, stay in
+// host memory for it instead of going to NVMe and coming back.
+TEST(Scheduler, StagesNothingAnOverwriteDiscardsAndKeepsWrittenCopiesUsedNext) {
+  testing::temp_dir dir;
+  // Two 1 MiB blocks of device room; 4 MiB of host memory, 3 to stage in.
+  auto store = make_device_store(dir.path(), 2 * mib, 4 * mib);
+  const auto ids = make_blocks(*store, 8, mib, "layer");
+  prefetch_scheduler sched(*store, {.budget_share = 0, .staging_share = 0.75});
+  std::vector<float> value(ids.size());
+  for (std::size_t k = 0; k < ids.size(); ++k) value[k] = static_cast<float>(k);
+  auto read_on_device = [&](std::size_t k) {
+    lease l = sched.acquire(ids[k], tier_kind::device);
+    EXPECT_TRUE(all_equal(l.data(), value[k])) << "layer " << k;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    sched.release(std::move(l), dirty::no);
+  };
+  for (int iteration = 0; iteration < 4; ++iteration) {
+    SCOPED_TRACE("iteration " + std::to_string(iteration));
+    sched.begin_iteration();
+    for (std::size_t k = 0; k < ids.size(); ++k) read_on_device(k);
+    for (std::size_t k = ids.size(); k-- > 0;) read_on_device(k);
+    if (iteration > 0) {  // the recorded iteration stages nothing at all
+      // Every block is overwritten before the next forward reads it: none is staged for it.
+      for (std::size_t k = 0; k < ids.size(); ++k)
+        EXPECT_FALSE(store->present_in(ids[k], tier_kind::host)) << "layer " << k << " staged before its overwrite";
+    }
+    for (std::size_t k = ids.size(); k-- > 0;) {
+      lease l = sched.acquire(ids[k], tier_kind::host, access::overwrite);
+      value[k] = static_cast<float>(100 * (iteration + 1) + k);
+      const auto data = l.wait();
+      std::fill(reinterpret_cast<float*>(data.data()), reinterpret_cast<float*>(data.data() + data.size()),
+                value[k]);
+      sched.release(std::move(l), dirty::yes);
+    }
+    sched.end_iteration();
+    // The next forward's first block stays, not even written back yet.
+    if (iteration > 0) EXPECT_EQ(store->state(ids[0], tier_kind::host), copy_state::dirty);
+  }
+  EXPECT_EQ(sched.stats().rerecords, 0u);
+  for (const auto& tier : store->telemetry().tiers) EXPECT_LE(tier.high_water, tier.budget) << tier.name;
+  // Every value written reached its home.
+  store->flush();
+  for (std::size_t k = 0; k < ids.size(); ++k) {
+    store->evict(ids[k], tier_kind::host);
+    store->evict(ids[k], tier_kind::device);
+  }
+  store->flush();
+  for (std::size_t k = 0; k < ids.size(); ++k) {
+    lease l = store->acquire(ids[k], tier_kind::host);
+    EXPECT_TRUE(all_equal(l.wait(), value[k])) << "layer " << k;
+    store->release(std::move(l), dirty::no);
+  }
+}
+
 TEST(Scheduler, ReRecordsWhenTheOrderChanges) {
   testing::temp_dir dir;
   auto store = make_test_store(dir.path(), 8 * mib);

@@ -329,5 +329,8 @@ class PartitionedZenFlow:
         self._selected = False  # the loaded state's step count tells again
 
     def _write_back(self) -> None:
-        for part, master in zip(self.parts, self.masters):
+        # Last to first: the parameters the next forward needs first are
+        # written last, so the store still holds them in host memory when it
+        # starts (the scheduler keeps a written copy whose next use is near).
+        for part, master in zip(reversed(self.parts), reversed(self.masters)):
             self.params.write(part, master.detach())

@@ -15,7 +15,12 @@
 // room the host tier has beside the blocks homed there, so that an access
 // waits only for the hop from host memory — even with budget_share 0, when
 // nothing is prefetched into the device. A staged copy is evicted after its
-// use unless it is used again within the staging window.
+// use unless it is used again within the staging window. A block overwritten
+// before its next use is not staged (its stored bytes would be discarded);
+// and a host copy written by the caller (an optimizer's new values) stays in
+// the host tier when the block's next use, in any tier, lies within the
+// staging window, so that use starts from host memory rather than waiting
+// for the write-back and a read of the same bytes from NVMe.
 //
 // The lookahead is computed, not configured: far enough that the link can
 // load the upcoming blocks in the time compute spends on the accesses before
@@ -119,6 +124,7 @@ class prefetch_scheduler {
   scheduler_options options_;
   std::vector<block_access> schedule_;
   std::vector<std::size_t> next_use_;  // distance to the same access's next use (cyclic)
+  std::vector<std::size_t> next_block_use_;  // distance to the block's next access, in any tier (cyclic)
   std::vector<block_access> observed_;  // this iteration's accesses
   std::vector<std::chrono::nanoseconds> observed_stall_;
   std::unordered_map<std::uint64_t, std::size_t> acquired_at_;  // leased access → its position
