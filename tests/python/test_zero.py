@@ -614,6 +614,27 @@ def test_gradients_in_host_memory_beside_parameters_on_nvme(tmp_path):
     assert plan.grad_bytes <= host["high_water"] <= host["budget"]
 
 
+def test_parameters_and_state_in_host_memory_train_as_torch_adamw(tmp_path):
+    # offload_param and offload_optimizer on the CPU: the store has no NVMe
+    # tier, and nothing is written under the (unused) nvme_path.
+    reference = torch_losses(4)
+    torch.manual_seed(0)
+    model = TinyLM()
+    config = ds_config(tmp_path / "nvme", device_memory=model_bytes(model) // 3)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = tierflow.initialize(model=model, config=config)
+    try:
+        assert engine.plan.param_home == "host" and engine.plan.grad_home == "host"
+        losses = tierflow_losses(engine, 4)
+        stats = engine.memory_stats()
+    finally:
+        engine.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+    assert "nvme" not in stats["tiers"] and not any("nvme" in link for link in stats["bytes"])
+    assert not (tmp_path / "nvme").exists()
+
+
 # ---- ZenFlow at stage 3: fp32 masters in host memory, stepped by ZenFlow ----
 
 def zenflow3_config(tmp_path, zenflow, **kwargs):

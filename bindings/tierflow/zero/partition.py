@@ -169,7 +169,7 @@ class ParamStore:
         nvme_bytes = (plan.param_bytes if plan.param_home == "nvme" else 0) + \
                      (plan.grad_bytes if plan.grad_home == "nvme" else 0)
         # A file no larger than the blocks need; a block larger than one gets a file of its own.
-        file_size = max(PAGE, min(256 << 20, pages(nvme_bytes)))
+        files = {"file_size": max(PAGE, min(256 << 20, pages(nvme_bytes)))} if needs_nvme else {}
         # One rank: the device tier holds the parameters themselves. Several:
         # it holds the shards on their way (the budget ÷ 2·world_size: one is
         # held only while it is gathered, the others are prefetches), and the
@@ -181,7 +181,7 @@ class ParamStore:
         self.store = _core.Store(plan.host_budget, nvme_dir=nvme_dir,
                                  nvme_budget=(1 << 60) if needs_nvme else 0,
                                  device_budget=tier_budget, device_backend=device_backend,
-                                 trace=trace, file_size=file_size, single_holder=True)
+                                 trace=trace, single_holder=True, **files)
         self.nvme_dir = nvme_dir
         self.scheduler = _core.PrefetchScheduler(self.store, budget_share=plan.prefetch_share,
                                                  evict_distance=plan.evict_distance,
