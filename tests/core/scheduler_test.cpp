@@ -397,6 +397,13 @@ TEST(OptimizerStream, OverwrittenBlocksAreNotReadAndReadOnesAreNotWritten) {
   EXPECT_EQ(link_bytes(*store, "nvme->host") - read_before, 6 * block);
 }
 
+// One sub-group per block, written.
+std::vector<sub_group> a_group_each(const std::vector<block_id>& ids) {
+  std::vector<sub_group> groups(ids.size());
+  for (std::size_t g = 0; g < ids.size(); ++g) groups[g].blocks = {ids[g]};
+  return groups;
+}
+
 // A paced stream: sub-group i starts no earlier than its share of the span
 // (four equal sub-groups over 200 ms: at 0, 50, 100 and 150 ms), and every
 // byte is still updated; hurry() from another thread ends the pacing at once.
@@ -407,8 +414,7 @@ TEST(OptimizerStream, APacedStreamSpreadsItsSubGroupsAndHurryEndsThePace) {
   constexpr std::uint64_t block = 64 * 1024;
   auto store = make_test_store(dir.path(), 16 * block);
   const auto ids = make_blocks(*store, 4, block, "s");
-  std::vector<sub_group> groups(4);
-  for (std::size_t g = 0; g < 4; ++g) groups[g].blocks = {ids[g]};
+  const auto groups = a_group_each(ids);
   std::vector<clock::duration> started;
   clock::time_point t0;
   const auto update = [&](std::size_t, std::span<const std::span<std::byte>> b) {
@@ -457,8 +463,7 @@ TEST(OptimizerStream, AnUpdateThatThrowsStopsTheStepAndLeavesEarlierGroupsWritte
   constexpr std::uint64_t block = 64 * 1024;
   auto store = make_test_store(dir.path(), 16 * block);
   const auto ids = make_blocks(*store, 4, block, "s");
-  std::vector<sub_group> groups(4);
-  for (std::size_t g = 0; g < 4; ++g) groups[g].blocks = {ids[g]};
+  const auto groups = a_group_each(ids);
   const auto update = [&](std::size_t index, std::span<const std::span<std::byte>> buffers) {
     if (index == 2) throw error(EIO, error_context{"update"});
     float* f = reinterpret_cast<float*>(buffers[0].data());

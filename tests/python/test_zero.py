@@ -118,12 +118,17 @@ def tierflow_losses(engine, steps, gas=2, data=None, skip_at=None, first=0):
     return losses
 
 
-def make_engine(tmp_path, seed=0, checkpoint=False, **kwargs):
+def make_engine(tmp_path, seed=0, checkpoint=False, offload=None, **kwargs):
+    """The engine over TinyLM under ds_config; ``offload`` maps offload_param /
+    offload_optimizer to another device ("cpu")."""
     torch.manual_seed(seed)
     model = TinyLM(checkpoint=checkpoint)
     size = model_bytes(model)
     kwargs.setdefault("device_memory", size // 3)
-    engine, optimizer, _, _ = tierflow.initialize(model=model, config=ds_config(tmp_path / "nvme", **kwargs))
+    config = ds_config(tmp_path / "nvme", **kwargs)
+    for key, device in (offload or {}).items():
+        config["zero_optimization"][key] = {"device": device}
+    engine, optimizer, _, _ = tierflow.initialize(model=model, config=config)
     return engine, size
 
 
@@ -598,11 +603,7 @@ def test_gradients_in_host_memory_beside_parameters_on_nvme(tmp_path):
     # offload_optimizer "cpu" homes the gradients in the host tier for the
     # run: the plan gives the parameters' leases room beside them.
     reference = torch_losses(4)
-    torch.manual_seed(0)
-    model = TinyLM()
-    config = ds_config(tmp_path / "nvme", device_memory=model_bytes(model) // 3)
-    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    engine, *_ = tierflow.initialize(model=model, config=config)
+    engine, _ = make_engine(tmp_path, offload={"offload_optimizer": "cpu"})
     try:
         plan = engine.plan
         assert plan.grad_home == "host" and plan.host_budget >= plan.grad_bytes + 2 * (256 * 64 * 4)
@@ -618,12 +619,7 @@ def test_parameters_and_state_in_host_memory_train_as_torch_adamw(tmp_path):
     # offload_param and offload_optimizer on the CPU: the store has no NVMe
     # tier, and nothing is written under the (unused) nvme_path.
     reference = torch_losses(4)
-    torch.manual_seed(0)
-    model = TinyLM()
-    config = ds_config(tmp_path / "nvme", device_memory=model_bytes(model) // 3)
-    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    engine, *_ = tierflow.initialize(model=model, config=config)
+    engine, _ = make_engine(tmp_path, offload={"offload_param": "cpu", "offload_optimizer": "cpu"})
     try:
         assert engine.plan.param_home == "host" and engine.plan.grad_home == "host"
         losses = tierflow_losses(engine, 4)
