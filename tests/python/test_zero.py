@@ -837,6 +837,38 @@ def test_stage_3_zenflow_with_its_state_on_nvme_steps_as_in_host_memory_and_resu
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(went_on), rtol=5e-4, atol=1e-6)
 
 
+def test_stage_2_zenflow_in_place_saves_and_evaluates_the_newest_values(tmp_path):
+    # An fp32 model stepped by ZenFlow in place lags its open window until
+    # finish(): the model's state_dict(), an evaluation and a save apply it first.
+    torch.manual_seed(0)
+    engine, optimizer, *_ = tierflow.initialize(model=TinyLM(), config=stage2_config(None, zenflow=_ZENFLOW_ON))
+    try:
+        tierflow_losses(engine, 5)  # a window open, the last one's CPU step in flight
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        sd = engine.module.state_dict()
+        assert any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters())), "nothing was open"
+        optimizer.finish()
+        assert all(torch.equal(sd[n], p) for n, p in engine.module.named_parameters())
+        tierflow_losses(engine, 2, first=5)
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        engine.save_checkpoint(tmp_path / "ckpt")
+        after = [p.detach().clone() for p in engine.module.parameters()]
+        assert any(not torch.equal(a, b) for a, b in zip(before, after)), "the save found nothing open"
+        engine.eval()
+        with torch.no_grad():
+            engine(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+        assert all(torch.equal(a, b) for a, b in zip(after, engine.module.parameters()))
+    finally:
+        engine.close()
+    torch.manual_seed(0)
+    loaded, *_ = tierflow.initialize(model=TinyLM(), config=stage2_config(None, zenflow=_ZENFLOW_ON))
+    try:
+        loaded.load_checkpoint(tmp_path / "ckpt", load_optimizer_states=False)
+        assert all(torch.equal(a, b) for a, b in zip(after, loaded.module.parameters()))
+    finally:
+        loaded.close()
+
+
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32_in_place", "bf16_through_masters"])
 def test_stage_2_zenflow_keeps_its_state_on_nvme_when_the_config_says_so(tmp_path, bf16):
     runs = []

@@ -265,8 +265,7 @@ def save(engine: "Engine", save_dir: str, tag: str | None, client_state: dict, s
 
 
 def _save_into(engine: "Engine", partial: str, client_state: dict) -> None:
-    if engine.zenflow is not None:
-        engine.zenflow.finish()  # the store gets ZenFlow's newest values first
+    engine._finish_optimizer()  # the model and the store get ZenFlow's newest values first
     if engine.params is not None:
         engine.params.flush()
     _save_model(engine, os.path.join(partial, "model.safetensors"))
@@ -349,8 +348,7 @@ def export(engine: "Engine", save_dir: str, filename: str, fp32: bool) -> str:
     (``fp32``) the fp32 masters — a bf16/fp16 parameter's from the optimizer's
     state, made from the parameter when it has not stepped yet."""
     path = os.path.join(save_dir, filename)
-    if engine.zenflow is not None:
-        engine.zenflow.finish()
+    engine._finish_optimizer()
     entries = _model_entries(engine)
     dtype = torch.float32 if fp32 else None
     shapes = [(n, tuple(x.shape), dtype or x.dtype) for n, x in entries]

@@ -133,6 +133,8 @@ class Engine:
         self.hooks: ModuleHooks | None = None
         # ZenFlow over fp32 masters: stage 3, or a bf16/fp16 model at stages 1-2.
         self.zenflow: PartitionedZenFlow | None = None
+        self._in_place_zenflow: Any = None  # ZenFlow stepping an fp32 model in place (stages 1-2)
+        self._finish_hook: Any = None
         self._norm_sq = 0.0
         self._finite = True
         self._norm_counted: set[int] = set()
@@ -264,7 +266,12 @@ class Engine:
                 resident = ResidentParams(self.module, z.zenflow, nvme="nvme_dir" in options)
                 self.zenflow = PartitionedZenFlow(resident, self.module, trainable, options)
                 return self.zenflow.optimizer
-            return ZenFlow(trainable, **options)
+            zenflow = self._in_place_zenflow = ZenFlow(trainable, **options)
+            # The model's values lag the open window until finish(): a
+            # state_dict() of the model reads them after it.
+            self._finish_hook = self.module.register_state_dict_pre_hook(
+                lambda module, prefix, keep_vars: zenflow.finish())
+            return zenflow
         from tierflow.torch.optim import Adam, AdamW
 
         trainable = self._stepped(trainable)
@@ -300,14 +307,14 @@ class Engine:
         start = time.perf_counter()
         try:
             if self.params is None:
-                if self.zenflow is not None and not (self.module.training and torch.is_grad_enabled()):
-                    self.zenflow.finish()  # an evaluation reads the newest values
+                if not (self.module.training and torch.is_grad_enabled()):
+                    self._finish_optimizer()  # an evaluation reads the newest values
                 return self.module(*args, **kwargs)
             training = self.module.training and torch.is_grad_enabled()
             if training:
                 self.params.begin_iteration()
-            elif self.zenflow is not None:  # an evaluation reads the newest values
-                self.zenflow.finish()
+            else:  # an evaluation reads the newest values
+                self._finish_optimizer()
             access = ParameterAccess(self.params, keep=True)
             try:
                 with access, saved_tensor_hooks(self.params):
@@ -549,6 +556,15 @@ class Engine:
         """The fp32 master weights as one safetensors file, streamed. Returns its path."""
         return _checkpoint.export(self, os.fspath(save_dir), save_filename, fp32=True)
 
+    def _finish_optimizer(self) -> None:
+        """Applies ZenFlow's window in flight and the open one, so that the
+        model (and the store) hold the newest values: what an evaluation, a
+        save and an export do first. Nothing without ZenFlow."""
+        if self.zenflow is not None:
+            self.zenflow.finish()
+        elif self._in_place_zenflow is not None:
+            self._in_place_zenflow.finish()
+
     def close(self) -> None:
         """Releases the store and the optimizer's files (idempotent)."""
         if self._closed:
@@ -556,6 +572,8 @@ class Engine:
         self._closed = True
         if self.hooks is not None:
             self.hooks.remove()
+        if self._finish_hook is not None:
+            self._finish_hook.remove()
         if self._overlap is not None:
             self._overlap.close()
         if self.zenflow is not None:
