@@ -63,24 +63,31 @@ offloaded_state::~offloaded_state() {
   store_.reset();
 }
 
+std::uint64_t save_store(block_store& store, const std::string& directory) {
+  return tiers::write_checkpoint(store, directory).generation;
+}
+
+void load_store(block_store& store, const std::string& directory, std::uint64_t generation, const std::string& what) {
+  const std::uint64_t found = tiers::read_checkpoint_manifest(directory).generation;
+  if (found != generation)
+    throw user_error(what + ": " + directory + " holds checkpoint " + std::to_string(found) + " of the state, not " +
+                     std::to_string(generation) + " (a save interrupted between its two files)");
+  tiers::restore_checkpoint(store, directory);
+  store.flush();
+}
+
 std::uint64_t offloaded_state::save(const std::string& directory) {
   nb::gil_scoped_release unlocked;
   std::lock_guard lock(mutex_);
   require_open();
-  return tiers::write_checkpoint(*store_, directory).generation;
+  return save_store(*store_, directory);
 }
 
 void offloaded_state::load(const std::string& directory, std::uint64_t generation) {
   nb::gil_scoped_release unlocked;
   std::lock_guard lock(mutex_);
   require_open();
-  const std::uint64_t found = tiers::read_checkpoint_manifest(directory).generation;
-  if (found != generation)
-    throw user_error("load_state: " + directory + " holds checkpoint " + std::to_string(found) +
-                     " of the state, not " + std::to_string(generation) +
-                     " (a save interrupted between its two files)");
-  tiers::restore_checkpoint(*store_, directory);
-  store_->flush();
+  load_store(*store_, directory, generation, "load_state");
 }
 
 void offloaded_state::close() {

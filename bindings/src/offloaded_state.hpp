@@ -44,6 +44,16 @@ std::uint64_t host_memory_of(const std::variant<std::uint64_t, std::string>& giv
 // Maps and touches the budget: call it with the GIL released.
 std::unique_ptr<block_store> make_offload_store(const std::string& nvme_dir, std::uint64_t host_memory,
                                                 std::uint64_t file_size);
+// Every block of `store` into a crash-safe checkpoint in `directory`
+// (tiers/checkpoint.hpp), read through its host tier; returns its
+// generation. No block may be written meanwhile. Call it with the GIL released.
+std::uint64_t save_store(block_store& store, const std::string& directory);
+// Restores the checkpoint in `directory` into `store` when it is of
+// `generation` (what was saved beside it: another is a save interrupted
+// between its two files, a user_error naming `what`), verified first so that
+// nothing changes when it is refused, and sends the blocks home. Call it with
+// the GIL released.
+void load_store(block_store& store, const std::string& directory, std::uint64_t generation, const std::string& what);
 
 class offloaded_state {
  public:

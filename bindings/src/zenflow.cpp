@@ -380,6 +380,61 @@ class zenflow_engine {
 
   void restore(nb::dict checkpoint, std::vector<any_array> state0, std::vector<any_array> state1,
                std::optional<std::vector<any_array>> master, std::vector<std::int64_t> counts) {
+    const zenflow::engine_checkpoint c = checkpoint_of(checkpoint);
+    const std::vector<zenflow::host_buffers> in = buffers_of(state0, state1, master, "restore");
+    nb::gil_scoped_release unlocked;
+    const std::lock_guard<std::mutex> hold(in_use_);
+    engine_->restore(c, in, counts);
+  }
+
+  // The checkpoint that leaves the host's state on NVMe where it lies
+  // (engine::read_device_state): save_state() writes the store's blocks into
+  // its crash-safe checkpoint in `directory` through the host budget and
+  // returns its generation; read_device_state() copies the device-owned
+  // columns out, packed; load_state() gives a new engine both.
+  std::uint64_t save_state(const std::string& directory) {
+    require_store("save_state");
+    nb::gil_scoped_release unlocked;
+    const std::lock_guard<std::mutex> hold(in_use_);
+    (void)engine_->checkpoint();  // refused unless quiet: no block may change while it is read
+    return save_store(*store_, directory);
+  }
+
+  void read_device_state(std::vector<any_array> param, std::vector<any_array> state0,
+                         std::vector<any_array> state1) {
+    std::vector<std::vector<std::uint32_t>> columns;
+    {
+      nb::gil_scoped_release unlocked;
+      const std::lock_guard<std::mutex> hold(in_use_);
+      for (std::size_t w = 0; w < weights_.size(); ++w) {
+        const auto s = engine_->selected(w);
+        columns.emplace_back(s.begin(), s.end());
+      }
+    }
+    const std::vector<zenflow::packed_columns> out = packed_of(columns, param, state0, state1, "read_device_state");
+    nb::gil_scoped_release unlocked;
+    const std::lock_guard<std::mutex> hold(in_use_);
+    engine_->read_device_state(out);
+  }
+
+  void load_state(const std::string& directory, std::uint64_t generation, nb::dict checkpoint,
+                  std::vector<any_array> param, std::vector<any_array> state0, std::vector<any_array> state1) {
+    require_store("load_state");
+    const zenflow::engine_checkpoint c = checkpoint_of(checkpoint);
+    const std::vector<zenflow::packed_columns> in = packed_of(c.selected, param, state0, state1, "load_state");
+    nb::gil_scoped_release unlocked;
+    const std::lock_guard<std::mutex> hold(in_use_);
+    // The store first: it is this engine's own, and a checkpoint it refuses
+    // (verified before a byte is written) leaves an engine the caller drops.
+    // The device's side writes into the parameters, which the caller may
+    // still step with another engine: only once the rest has succeeded, and
+    // after checking `c` against the engine.
+    load_store(*store_, directory, generation, "load_state");
+    engine_->restore_device_state(c, in);
+  }
+
+ private:
+  static zenflow::engine_checkpoint checkpoint_of(nb::dict checkpoint) {
     zenflow::engine_checkpoint c;
     try {
       c.steps = nb::cast<std::uint64_t>(checkpoint["steps"]);
@@ -395,13 +450,35 @@ class zenflow_engine {
     } catch (const nb::cast_error&) {
       throw user_error("zenflow checkpoint: a value is of the wrong type");
     }
-    const std::vector<zenflow::host_buffers> in = buffers_of(state0, state1, master, "restore");
-    nb::gil_scoped_release unlocked;
-    const std::lock_guard<std::mutex> hold(in_use_);
-    engine_->restore(c, in, counts);
+    return c;
   }
 
- private:
+  void require_store(const char* what) const {
+    if (!store_)
+      throw user_error(std::string(what) + ": the host's state is in host memory, not on NVMe (no nvme_dir)");
+  }
+
+  // Each weight's packed device columns over the given float32 CPU arrays
+  // (their sizes are the engine's to check).
+  std::vector<zenflow::packed_columns> packed_of(const std::vector<std::vector<std::uint32_t>>& columns,
+                                                 std::vector<any_array>& param, std::vector<any_array>& state0,
+                                                 std::vector<any_array>& state1, const char* what) const {
+    const std::size_t n = weights_.size();
+    if (columns.size() != n || param.size() != n || state0.size() != n || state1.size() != n)
+      throw user_error(std::string(what) + ": one buffer per parameter in each list");
+    std::vector<zenflow::packed_columns> out;
+    for (std::size_t w = 0; w < n; ++w) {
+      const std::string name = std::string(what) + ": device state of parameter " + std::to_string(w);
+      auto check = [&](const any_array& a) {
+        if (!on_cpu(a.device_type()) || element_type(a, name) != dtype::fp32)
+          throw user_error(name + ": float32 CPU tensors expected");
+        return floats(a);
+      };
+      out.push_back({columns[w], check(param[w]), check(state0[w]), check(state1[w])});
+    }
+    return out;
+  }
+
   void check_index(std::size_t w) const {
     if (w >= weights_.size())
       throw user_error("weight " + std::to_string(w) + " does not exist (" + std::to_string(weights_.size()) +
@@ -636,7 +713,21 @@ void bind_zenflow(nb::module_& m) {
       .def("restore", &zenflow_engine::restore, "checkpoint"_a, "state0"_a, "state1"_a, "master"_a.none(),
            "counts"_a,
            "Before the first step: resumes from checkpoint() and read_state()'s buffers, each\n"
-           "parameter's state taken at counts[i] (rebased to each side's count).");
+           "parameter's state taken at counts[i] (rebased to each side's count).")
+      .def("save_state", &zenflow_engine::save_state, "directory"_a,
+           "With the state on NVMe, after finish(): the host's state, as its blocks are, into\n"
+           "tierflow's crash-safe checkpoint in `directory` (manifest.json and blocks-<n>.bin,\n"
+           "read through the host budget, never whole in RAM); returns its generation.")
+      .def("read_device_state", &zenflow_engine::read_device_state, "param"_a, "state0"_a, "state1"_a,
+           "After finish(): the master values and states of the device-owned columns of each\n"
+           "parameter (selected(i); the whole of a 1-D one), packed column after column into\n"
+           "float32 CPU buffers of len(selected(i)) x rows elements.")
+      .def("load_state", &zenflow_engine::load_state, "directory"_a, "generation"_a, "checkpoint"_a, "param"_a,
+           "state0"_a, "state1"_a,
+           "Before the first step: resumes from save_state()'s checkpoint in `directory` (of that\n"
+           "generation), checkpoint() and read_device_state()'s buffers, bit for bit. Raises\n"
+           "ValueError for state of other parameters or an interrupted save, TierflowError for a\n"
+           "missing or corrupt checkpoint; drop the engine after a failure.");
 }
 
 }  // namespace tierflow::python

@@ -19,6 +19,7 @@
 #include "tierflow/core/zenflow/engine.hpp"
 #include "tierflow/core/zenflow/standin.hpp"
 #include "tierflow/core/zenflow/streamed_host_state.hpp"
+#include "tierflow/tiers/checkpoint.hpp"
 #include "zenflow_test_support.hpp"
 
 namespace tierflow::zenflow {
@@ -444,6 +445,95 @@ TEST(ZenflowCheckpoint, RefusesWhatDoesNotFit) {
   engine_checkpoint wrong_size = saved;
   wrong_size.selected.pop_back();
   fresh_refuses(wrong_size);
+}
+
+// The device-owned columns of a quiet engine, packed, as read_device_state
+// gives them (the buffers sized first, so the views stay put).
+struct device_columns {
+  std::vector<std::vector<std::uint32_t>> columns;
+  std::vector<std::vector<float>> param, state0, state1;
+  std::vector<packed_columns> views;
+  device_columns(const std::vector<weight_shape>& weights, const std::vector<std::vector<std::uint32_t>>& selected)
+      : columns(selected) {
+    for (std::size_t w = 0; w < weights.size(); ++w) {
+      const std::size_t n = columns[w].size() * weights[w].rows;
+      param.emplace_back(n);
+      state0.emplace_back(n);
+      state1.emplace_back(n);
+    }
+    for (std::size_t w = 0; w < weights.size(); ++w) views.push_back({columns[w], param[w], state0[w], state1[w]});
+  }
+};
+
+// A checkpoint that leaves the host's state where it lies: the store's own
+// checkpoint of the streamed blocks, and the device's columns packed.
+// Nothing is rebased, so the resumed run is the one that went on, bit for
+// bit, for every schedule (read_state()'s round trip is not, when the two
+// counts differ).
+void expect_resumes_in_place(const config& c, std::uint64_t before, std::uint64_t after) {
+  testing::temp_dir dir, dir2, saved_dir;
+  auto store = small_store(dir.path(), two_weights);
+  cpu_run a(c, store.get());
+  for (std::uint64_t s = 0; s < before; ++s) a.step(s);
+  a.eng->finish();
+  const engine_checkpoint saved = a.eng->checkpoint();
+  device_columns device(a.weights, saved.selected);
+  a.eng->read_device_state(device.views);
+  tiers::write_checkpoint(*store, saved_dir.path() + "/state");
+
+  auto store2 = small_store(dir2.path(), two_weights);
+  cpu_run b(c, store2.get());
+  for (std::size_t w = 0; w < a.weights.size(); ++w) b.params[w] = a.params[w];  // the model's values, loaded
+  b.rule.begun = saved.host_steps;
+  b.eng->restore_device_state(saved, device.views);
+  tiers::restore_checkpoint(*store2, saved_dir.path() + "/state");
+  EXPECT_EQ(b.eng->steps(), saved.steps);
+  EXPECT_EQ(b.eng->host_steps(), saved.host_steps);
+  for (std::uint64_t s = before; s < before + after; ++s) {
+    const snapshot x = a.step(s), y = b.step(s);
+    for (std::size_t w = 0; w < x.size(); ++w)
+      ASSERT_EQ(x[w], y[w]) << "step " << s << " weight " << w << " overlap " << c.overlap_step;
+  }
+}
+
+TEST(ZenflowCheckpoint, AStreamedHostStateResumesInPlaceBitForBit) {
+  expect_resumes_in_place(step_config(0.25, 4, 8, false), 14, 30);
+  expect_resumes_in_place(step_config(0.25, 4, 8, true), 14, 30);   // a window's CPU step was in flight
+  expect_resumes_in_place(step_config(0.3, 2, 4, true, 3), 2, 12);  // from inside the warm-up
+  config automatic;
+  automatic.topk_ratio = 0.3;
+  expect_resumes_in_place(automatic, 17, 25);
+}
+
+TEST(ZenflowCheckpoint, TheDeviceStateMustBeOfTheSelection) {
+  const config c = step_config(0.25, 4, 8, false);
+  testing::temp_dir dir;
+  auto store = small_store(dir.path(), two_weights);
+  cpu_run a(c, store.get());
+  for (std::uint64_t s = 0; s < 12; ++s) a.step(s);
+  engine_checkpoint saved;
+  EXPECT_THROW(a.eng->read_device_state({}), user_error);  // a window is open: finish() first
+  a.eng->finish();
+  saved = a.eng->checkpoint();
+  ASSERT_FALSE(saved.selected[0].empty());
+  device_columns device(a.weights, saved.selected);
+  device_columns short_one(a.weights, saved.selected);
+  short_one.param[0].pop_back();
+  short_one.views[0].param = short_one.param[0];
+  EXPECT_THROW(a.eng->read_device_state(short_one.views), user_error);
+  a.eng->read_device_state(device.views);
+  EXPECT_THROW(a.eng->restore_device_state(saved, device.views), user_error);  // it has stepped
+
+  cpu_run b(c);
+  EXPECT_THROW(b.eng->restore_device_state(saved, short_one.views), user_error);
+  engine_checkpoint other = saved;  // a selection the buffers are not of
+  other.selected[0].pop_back();
+  EXPECT_THROW(b.eng->restore_device_state(other, device.views), user_error);
+  EXPECT_EQ(b.eng->steps(), 0u);  // refused: unchanged
+  EXPECT_TRUE(b.eng->selected(0).empty());
+  b.rule.begun = saved.host_steps;
+  b.eng->restore_device_state(saved, device.views);
+  EXPECT_EQ(b.eng->steps(), saved.steps);
 }
 
 }  // namespace

@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 
-from tierflow import _core
+from tierflow import TierflowError, _core
 from tierflow.torch.optim import Adam, AdamW, Muon, ZenFlow
 
 RTOL = 1e-5
@@ -539,6 +539,82 @@ def test_state_on_nvme_resumes_from_its_state_dict_and_deep_copies(tmp_path):
     for other in (resumed_model, copied["model"]):
         assert_params_equal(model, other, "resumed")  # update_interval 1: bit for bit
     assert copied["opt"].offload == "nvme" and copied["opt"].nvme_dir == str(tmp_path / "a")
+
+
+_OVERLAPPED = {"topk_ratio": 0.25, "update_interval": 3, "select_strategy": "step", "select_interval": 4,
+               "overlap_step": True}
+
+
+def test_state_on_nvme_saves_in_place_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    # save_state leaves the host's state as its blocks are: the store's own
+    # checkpoint, never a state_dict in RAM. Nothing is rebased, so the run
+    # resumed from it is the one that went on, bit for bit, even with
+    # overlap and windows of 3 (a state_dict round trip is not).
+    xs, ys = make_data(16)
+    model = make_model()
+    opt = ZenFlow(model.parameters(), lr=1e-2, zenflow=_OVERLAPPED, offload="nvme", nvme_dir=tmp_path / "a",
+                  host_memory=SMALL_BUDGET)
+    train(model, opt, xs[:7], ys[:7])
+
+    def gathered(*args, **kwargs):
+        raise AssertionError("the whole state was gathered in RAM")
+
+    with monkeypatch.context() as m:
+        m.setattr(_core.ZenFlowEngine, "read_state", gathered)
+        opt.save_state(tmp_path / "ckpt")
+    assert sorted(x.name for x in (tmp_path / "ckpt").iterdir()) == ["blocks-1.bin", "manifest.json", "optimizer.pt"]
+    resumed_model = copy.deepcopy(model)  # the model's values as saved (save_state finished the window)
+    went_on = train(model, opt, xs[7:], ys[7:])
+    resumed = ZenFlow(resumed_model.parameters(), lr=1e-2, zenflow=_OVERLAPPED, offload="nvme",
+                      nvme_dir=tmp_path / "b", host_memory=SMALL_BUDGET)
+    with monkeypatch.context() as m:
+        m.setattr(_core.ZenFlowEngine, "restore", gathered)
+        resumed.load_state(tmp_path / "ckpt")
+    assert resumed.state_dict()["zenflow"]["steps"] == 7
+    assert train(resumed_model, resumed, xs[7:], ys[7:]) == went_on
+    opt.finish()
+    resumed.finish()
+    assert_params_equal(model, resumed_model, "resumed in place")
+    opt.save_state(tmp_path / "ckpt")  # a second save replaces the first
+    assert sorted(x.name for x in (tmp_path / "ckpt").iterdir()) == ["blocks-2.bin", "manifest.json", "optimizer.pt"]
+
+
+def test_a_state_saved_in_place_that_does_not_fit_is_refused_and_the_optimizer_kept(tmp_path):
+    xs, ys = make_data(6)
+    model = make_model()
+    opt = ZenFlow(model.parameters(), lr=1e-2, zenflow=_OVERLAPPED, offload="nvme", nvme_dir=tmp_path / "a")
+    train(model, opt, xs[:3], ys[:3])
+    opt.save_state(tmp_path / "ckpt")
+    in_memory = ZenFlow(make_model().parameters(), zenflow=_OVERLAPPED)
+    with pytest.raises(ValueError, match="the state is not on NVMe"):
+        in_memory.save_state(tmp_path / "other")
+    with pytest.raises(ValueError, match="the state is not on NVMe"):
+        in_memory.load_state(tmp_path / "ckpt")
+    wider = torch.nn.Sequential(torch.nn.Linear(32, 40), torch.nn.Tanh(), torch.nn.Linear(40, 8))
+    with pytest.raises(ValueError, match=r"holds the state of other parameters \(saved \(0, 'params\[0\]', \(48, 32\)"):
+        ZenFlow(wider.parameters(), zenflow=_OVERLAPPED, offload="nvme", nvme_dir=tmp_path / "w").load_state(
+            tmp_path / "ckpt")
+
+    # A running optimizer that is refused a checkpoint goes on as it was:
+    # as a twin resumed from the same point does.
+    twin = copy.deepcopy(model)
+    twin_opt = ZenFlow(twin.parameters(), lr=1e-2, zenflow=_OVERLAPPED, offload="nvme", nvme_dir=tmp_path / "t")
+    twin_opt.load_state(tmp_path / "ckpt")
+    train(model, opt, xs[3:4], ys[3:4])  # the checkpoint's device columns now differ from the parameters'
+    train(twin, twin_opt, xs[3:4], ys[3:4])
+    blocks = tmp_path / "ckpt" / "blocks-1.bin"
+    data = bytearray(blocks.read_bytes())
+    data[100] ^= 0xFF
+    blocks.write_bytes(bytes(data))
+    with pytest.raises(TierflowError, match="checksum mismatch"):
+        opt.load_state(tmp_path / "ckpt")
+    meta = torch.load(tmp_path / "ckpt" / "optimizer.pt", weights_only=True)
+    meta["tierflow"]["generation"] = 7  # as a save cut off between its two files leaves it
+    torch.save(meta, tmp_path / "ckpt" / "optimizer.pt")
+    with pytest.raises(ValueError, match="a save interrupted between its two files"):
+        opt.load_state(tmp_path / "ckpt")
+    assert train(model, opt, xs[4:], ys[4:]) == train(twin, twin_opt, xs[4:], ys[4:])
+    assert_params_equal(model, twin, "after the refused loads")
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -7,7 +7,8 @@ DeepSpeed lays them out.
   from the store one parameter at a time, so saving never needs the model in
   RAM);
 * ``optimizer/`` (state on NVMe: the optimizer's own crash-safe checkpoint,
-  streamed through its host budget) or ``optimizer.pt`` (state in memory;
+  streamed through its host budget; with ZenFlow, and the fp32 masters of a
+  bf16/fp16 run in ``masters.pt``) or ``optimizer.pt`` (state in memory;
   stage 3 with ZenFlow: ZenFlow's state_dict, and the fp32 masters of a
   bf16/fp16 run);
 * ``engine.pt``: the step counters, the loss scale, the lr scheduler's state
@@ -198,8 +199,7 @@ def _load_model(engine: "Engine", path: str) -> None:
 
 def _optimizer_on_nvme(engine: "Engine") -> bool:
     """Whether the optimizer's state is saved as its NVMe store's own
-    checkpoint (Adam/AdamW on NVMe). ZenFlow's, wherever it lives, is its
-    state_dict, read through its stream."""
+    checkpoint (Adam/AdamW or ZenFlow with their state on NVMe)."""
     return getattr(engine.optimizer, "offload", "cpu") == "nvme" and hasattr(engine.optimizer, "save_state")
 
 
@@ -270,7 +270,7 @@ def _save_into(engine: "Engine", partial: str, client_state: dict) -> None:
         engine.params.flush()
     _save_model(engine, os.path.join(partial, "model.safetensors"))
     if _optimizer_on_nvme(engine):
-        engine.optimizer.save_state(_optimizer_path(engine, partial))
+        (engine.zenflow or engine.optimizer).save_state(_optimizer_path(engine, partial))
     else:
         owner = engine.zenflow if engine.zenflow is not None else engine.optimizer
         _torch_save(owner.state_dict(), _optimizer_path(engine, partial))
@@ -320,16 +320,14 @@ def load(engine: "Engine", load_dir: str, tag: str | None, load_optimizer: bool,
             raise ValueError(f"load_checkpoint: {path} holds the optimizer state of {saved_world} ranks, this run has "
                              f"{engine.group.world_size}; load it with load_optimizer_states=False (the model only) "
                              "or with as many ranks")
-    if engine.zenflow is not None:  # its masters follow the loaded values
-        if load_optimizer:
-            engine.zenflow.load_state_dict(torch.load(_optimizer_path(engine, path), weights_only=False))
-        else:
-            engine.zenflow.reload()
-    elif load_optimizer:
+    if engine.zenflow is not None and not load_optimizer:
+        engine.zenflow.reload()  # its masters follow the loaded values
+    elif load_optimizer:  # ZenFlow's masters too
+        owner = engine.zenflow or engine.optimizer
         if _optimizer_on_nvme(engine):
-            engine.optimizer.load_state(_optimizer_path(engine, path))
+            owner.load_state(_optimizer_path(engine, path))
         else:
-            engine.optimizer.load_state_dict(torch.load(_optimizer_path(engine, path), weights_only=False))
+            owner.load_state_dict(torch.load(_optimizer_path(engine, path), weights_only=False))
     if load_scheduler and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     if engine.scaler is not None and state["loss_scaler"] is not None:

@@ -45,6 +45,7 @@ master written back into the parameter (rounded to its dtype).
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -241,21 +242,57 @@ class PartitionedZenFlow:
             raise ValueError("load_checkpoint: the optimizer's state is not a stage-3 ZenFlow state "
                              "(saved without zero_optimization.zenflow?)")
         self.optimizer.finish()
-        self._read_masters()
-        saved = state.get("masters")
-        if saved is not None:
-            missing = [part.name for part in self.parts if part.name not in saved]
-            if missing:
-                raise ValueError(f"load_checkpoint: the saved masters have no '{missing[0]}'")
-            with torch.no_grad():
-                for part, master in zip(self.parts, self.masters):
-                    value = saved[part.name]
-                    if tuple(value.shape) != part.shape:
-                        raise ValueError(f"load_checkpoint: the saved master of '{part.name}' is "
-                                         f"{list(value.shape)}, the parameter {list(part.shape)}")
-                    master.copy_(value)
+        self._load_masters(state.get("masters"))
         # The store already holds these values: the save wrote them back before the model's file.
         self._restart_engine(state["optimizer"])
+
+    def save_state(self, directory: str) -> None:
+        """With the windowed state on NVMe: ZenFlow's own streamed save into
+        ``directory`` (:meth:`ZenFlow.save_state`, the state never whole in
+        RAM) and, when the compute copies are bf16/fp16, the fp32 masters
+        (``masters.pt``), written from where they lie."""
+        self.finish()
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self.optimizer.save_state(directory)
+        if self.params.plan.compute_dtype != torch.float32:
+            with open(os.path.join(directory, "masters.pt"), "wb") as f:
+                torch.save({part.name: master.detach() for part, master in zip(self.parts, self.masters)}, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def load_state(self, directory: str) -> None:
+        """Loads :meth:`save_state`'s directory after the model's values were
+        loaded: the masters are the saved ones (bf16/fp16) or the store's
+        values (fp32), and ZenFlow resumes from its streamed checkpoint, bit
+        for bit."""
+        self.optimizer.finish()
+        saved = None
+        if self.params.plan.compute_dtype != torch.float32:
+            path = os.path.join(directory, "masters.pt")
+            if not os.path.exists(path):
+                raise ValueError(f"load_checkpoint: {directory} has no masters.pt, which a "
+                                 f"{self.params.plan.compute_dtype} run's checkpoint holds")
+            saved = torch.load(path, weights_only=True, mmap=True)  # read as they are copied, not all at once
+        self._load_masters(saved)
+        self.optimizer.load_state(directory)
+        self._selected = False  # the loaded state's step count tells again
+
+    def _load_masters(self, saved: dict[str, torch.Tensor] | None) -> None:
+        """The masters again from the store, then ``saved``'s (by parameter
+        name) over them when given; a missing or misshapen one is named."""
+        self._read_masters()
+        if saved is None:
+            return
+        missing = [part.name for part in self.parts if part.name not in saved]
+        if missing:
+            raise ValueError(f"load_checkpoint: the saved masters have no '{missing[0]}'")
+        with torch.no_grad():
+            for part, master in zip(self.parts, self.masters):
+                value = saved[part.name]
+                if tuple(value.shape) != part.shape:
+                    raise ValueError(f"load_checkpoint: the saved master of '{part.name}' is "
+                                     f"{list(value.shape)}, the parameter {list(part.shape)}")
+                master.copy_(value)
 
     def master_of(self, part: Any) -> torch.Tensor | None:
         """A copy of ``part``'s fp32 master after :meth:`finish` (None for a

@@ -755,15 +755,13 @@ void engine::read_state(std::span<const host_buffers> out) {
   }
 }
 
-void engine::restore(const engine_checkpoint& c, std::span<const host_buffers> in,
-                     std::span<const std::int64_t> counts) {
+void engine::check_resumable(const engine_checkpoint& c) const {
   if (step_ != 0 || selection_made_ || !quiet())
     throw user_error("zenflow: restore needs an engine that has run no step");
   const std::size_t n = weights_.size();
-  if (in.size() != n || counts.size() != n || c.selected.size() != n)
-    throw user_error("zenflow: the checkpoint has " + std::to_string(c.selected.size()) + " weights' selections, " +
-                     std::to_string(in.size()) + " buffers and " + std::to_string(counts.size()) +
-                     " step counts for " + std::to_string(n) + " weights");
+  if (c.selected.size() != n)
+    throw user_error("zenflow: the checkpoint has " + std::to_string(c.selected.size()) + " weights' selections for " +
+                     std::to_string(n) + " weights");
   if (c.host_steps < 0 || static_cast<std::uint64_t>(c.host_steps) > c.steps)
     throw user_error("zenflow: the checkpoint's host step count " + std::to_string(c.host_steps) +
                      " is not within its " + std::to_string(c.steps) + " steps");
@@ -775,17 +773,9 @@ void engine::restore(const engine_checkpoint& c, std::span<const host_buffers> i
       c.trigger.seen.size() != trigger_size)
     throw user_error("zenflow: the checkpoint's update trigger is not of this engine's " +
                      std::to_string(trigger_size) + " weights");
-  const bool two = rule_.state_count() > 1;
   for (std::size_t w = 0; w < n; ++w) {
     const weight_shape& shape = weights_[w];
     const std::string name = "zenflow: weight \"" + shape.name + "\"";
-    const std::uint64_t elements = shape.elements();
-    if (in[w].param.size() != elements || in[w].state0.size() != elements ||
-        in[w].state1.size() != (two ? elements : 0))
-      throw user_error(name + ": its checkpoint buffers are not of its size");
-    if (counts[w] < 0 || static_cast<std::uint64_t>(counts[w]) > c.steps)
-      throw user_error(name + ": its step count " + std::to_string(counts[w]) + " is not within the checkpoint's " +
-                       std::to_string(c.steps) + " steps");
     const std::vector<std::uint32_t>& sel = c.selected[w];
     for (std::size_t i = 0; i < sel.size(); ++i) {
       if (sel[i] >= shape.cols || (i > 0 && sel[i] <= sel[i - 1]))
@@ -798,19 +788,48 @@ void engine::restore(const engine_checkpoint& c, std::span<const host_buffers> i
     if (shape.matrix() && rule_.unit(w) == granularity::matrix && !sel.empty() && sel.size() != shape.cols)
       throw user_error(name + ": its rule updates the whole matrix, but only part of it is selected");
   }
+}
 
+void engine::adopt(const engine_checkpoint& c) {
   step_ = c.steps;
   host_step_ = c.host_steps;
   begun_host_step_ = c.host_steps;
   selection_made_ = c.selection_made;
   trigger_.load(c.trigger);
-  const auto device_count = static_cast<std::int64_t>(step_);
-  std::vector<std::vector<std::uint32_t>> selections(n);
   for (const std::size_t w : matrices_) {
-    selections[w] = c.selected[w];
-    splits_[w].refresh(selections[w]);
+    splits_[w].refresh(c.selected[w]);
     owned_by_host_[w] = host_runs(splits_[w]);
   }
+}
+
+bool engine::packed_shape(std::size_t w, std::span<const std::uint32_t> columns, const packed_columns& p,
+                          bool two) const {
+  const std::uint64_t elements = columns.size() * weights_[w].rows;
+  return std::ranges::equal(p.columns, columns) && p.param.size() == elements && p.state0.size() == elements &&
+         p.state1.size() == (two ? elements : 0);
+}
+
+void engine::restore(const engine_checkpoint& c, std::span<const host_buffers> in,
+                     std::span<const std::int64_t> counts) {
+  check_resumable(c);
+  const std::size_t n = weights_.size();
+  if (in.size() != n || counts.size() != n)
+    throw user_error("zenflow: the checkpoint has " + std::to_string(in.size()) + " buffers and " +
+                     std::to_string(counts.size()) + " step counts for " + std::to_string(n) + " weights");
+  const bool two = rule_.state_count() > 1;
+  for (std::size_t w = 0; w < n; ++w) {
+    const std::string name = "zenflow: weight \"" + weights_[w].name + "\"";
+    const std::uint64_t elements = weights_[w].elements();
+    if (in[w].param.size() != elements || in[w].state0.size() != elements ||
+        in[w].state1.size() != (two ? elements : 0))
+      throw user_error(name + ": its checkpoint buffers are not of its size");
+    if (counts[w] < 0 || static_cast<std::uint64_t>(counts[w]) > c.steps)
+      throw user_error(name + ": its step count " + std::to_string(counts[w]) + " is not within the checkpoint's " +
+                       std::to_string(c.steps) + " steps");
+  }
+
+  adopt(c);
+  const auto device_count = static_cast<std::int64_t>(step_);
   // The host takes every column (those the device owns are dead there), its
   // own columns' state rebased to its count; the device's are packed from
   // `in` and handed over, rebased to the device's count.
@@ -819,11 +838,11 @@ void engine::restore(const engine_checkpoint& c, std::span<const host_buffers> i
     copy_floats(in[w].state0, buffers.state0);
     if (two) copy_floats(in[w].state1, buffers.state1);
     rebase_runs(w, owned_by_host_[w], buffers, counts[w], host_step_);
-    if (selections[w].empty()) return;
-    column_state entering = pack(w, selections[w], in[w]);
+    if (c.selected[w].empty()) return;
+    column_state entering = pack(w, c.selected[w], in[w]);
     rebase_state(w, entering, counts[w], device_count);
     column_state none;
-    device_.hand_over(w, selections[w], entering.view(), none.view());
+    device_.hand_over(w, c.selected[w], entering.view(), none.view());
   });
   for (std::size_t w = 0; w < n; ++w) {
     if (weights_[w].matrix()) continue;
@@ -832,6 +851,48 @@ void engine::restore(const engine_checkpoint& c, std::span<const host_buffers> i
     rebase_state(w, state, counts[w], device_count);
     if (!device_.write_owned(w, state.view()))
       throw user_error("zenflow: this device side cannot be restored from a checkpoint (no write_owned)");
+  }
+}
+
+void engine::read_device_state(std::span<const packed_columns> out) {
+  if (!quiet()) throw user_error("zenflow: reading the state needs a quiet engine: call finish() first");
+  if (out.size() != weights_.size())
+    throw user_error("zenflow: read_device_state: " + std::to_string(out.size()) + " buffers for " +
+                     std::to_string(weights_.size()) + " weights");
+  const bool two = rule_.state_count() > 1;
+  for (std::size_t w = 0; w < weights_.size(); ++w) {
+    if (!packed_shape(w, splits_[w].selected(), out[w], two))
+      throw user_error("zenflow: read_device_state: the buffers of weight \"" + weights_[w].name +
+                       "\" are not its " + std::to_string(splits_[w].selected().size()) + " owned columns");
+  }
+  for (std::size_t w = 0; w < weights_.size(); ++w) {
+    if (out[w].columns.empty()) continue;
+    if (!device_.read_owned(w, out[w]))
+      throw user_error("zenflow: this device side cannot be read for a checkpoint (no read_owned)");
+  }
+}
+
+void engine::restore_device_state(const engine_checkpoint& c, std::span<const packed_columns> in) {
+  check_resumable(c);
+  const std::size_t n = weights_.size();
+  if (in.size() != n)
+    throw user_error("zenflow: the checkpoint has " + std::to_string(in.size()) + " weights' device state for " +
+                     std::to_string(n) + " weights");
+  const bool two = rule_.state_count() > 1;
+  for (std::size_t w = 0; w < n; ++w) {
+    if (!packed_shape(w, c.selected[w], in[w], two))
+      throw user_error("zenflow: weight \"" + weights_[w].name + "\": its device state is not of its " +
+                       std::to_string(c.selected[w].size()) + " selected columns");
+  }
+  adopt(c);
+  for (std::size_t w = 0; w < n; ++w) {
+    if (weights_[w].matrix()) {
+      if (c.selected[w].empty()) continue;
+      column_state none;
+      device_.hand_over(w, c.selected[w], in[w], none.view());
+    } else if (!device_.write_owned(w, in[w])) {
+      throw user_error("zenflow: this device side cannot be restored from a checkpoint (no write_owned)");
+    }
   }
 }
 

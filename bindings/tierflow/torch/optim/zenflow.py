@@ -172,7 +172,10 @@ class ZenFlow(Optimizer):
     the host-owned columns' moments (the rebasing's round trip). A
     torch.optim.AdamW state_dict loads too (no ``"zenflow"`` entry): its
     moments are placed, each parameter's rebased from its own step to the
-    largest, and a selection is made fresh at the next step.
+    largest, and a selection is made fresh at the next step. With
+    ``offload="nvme"`` :meth:`state_dict` reads the whole state into RAM;
+    :meth:`save_state` / :meth:`load_state` save and resume it through
+    ``host_memory`` instead, bit for bit.
 
     Example::
 
@@ -395,6 +398,94 @@ class ZenFlow(Optimizer):
         self._drop_engine()
         self._pending = (pending, zen)
 
+    def save_state(self, directory: str | os.PathLike) -> None:
+        """With offload="nvme", saves the optimizer into ``directory`` (made
+        0700 when missing) without reading the host's state into RAM: after
+        :meth:`finish`, the host side's masters and moments go, as their blocks
+        are, through ``host_memory`` into tierflow's crash-safe checkpoint
+        there (``manifest.json`` and ``blocks-<n>.bin``, each block
+        checksummed; a new save replaces the last one), and the rest (param
+        groups, step counts, the device side's columns, the selection, a
+        frozen parameter's carried state) into ``optimizer.pt`` beside it.
+        :meth:`load_state` of that directory into a ZenFlow over the same
+        parameters resumes the run bit for bit: nothing is rebased, unlike a
+        :meth:`state_dict` round trip. With offload="cpu",
+        ``torch.save(state_dict())`` saves it."""
+        if self.offload != "nvme":
+            raise ValueError("save_state: the state is not on NVMe (offload='cpu'); torch.save(state_dict()) saves it")
+        if self._closed:
+            raise RuntimeError("ZenFlow.save_state: the optimizer was closed (its NVMe state is gone)")
+        directory = os.fspath(directory)
+        engine = self._engine_for_step()  # a state loaded and not yet stepped is the engine's first
+        if engine is None:
+            raise ValueError("save_state: no trainable parameters, so no state on NVMe to save")
+        engine.finish()
+        params = self._engine_params
+        checkpoint = engine.checkpoint()
+        device = self._device_buffers(engine, checkpoint["selected"])
+        engine.read_device_state(*device)
+        index_of = {id(p): i for i, p in enumerate(self._all_params())}
+        own = {
+            "layout": self._engine_layout(params), "checkpoint": checkpoint, "device": device,
+            "carried": {index_of[pid]: entry for pid, entry in self._carried.items()},
+            "generation": engine.save_state(directory),
+        }
+        meta = Optimizer.state_dict(self)  # the param groups, and each parameter's step
+        meta["state"] = {index_of[id(p)]: {"step": self.state[p]["step"].clone()} for p in params}
+        meta["tierflow"] = own
+        path = os.path.join(directory, "optimizer.pt")
+        with open(path + ".tmp", "wb") as f:
+            torch.save(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+
+    def load_state(self, directory: str | os.PathLike) -> None:
+        """With offload="nvme", resumes what :meth:`save_state` saved in
+        ``directory``: a new engine is made over the parameters' values now
+        (load the model's weights first) and takes the saved state, the host
+        side's blocks verified and then written through ``host_memory``
+        (never whole in RAM). Raises ValueError when the directory holds the
+        state of other parameters (shapes, names, Muon's) or an interrupted
+        save, and :class:`tierflow.TierflowError` when the checkpoint is
+        missing or corrupt; the optimizer is as it was then."""
+        if self.offload != "nvme":
+            raise ValueError("load_state: the state is not on NVMe (offload='cpu'); use load_state_dict()")
+        if self._closed:
+            raise RuntimeError("ZenFlow.load_state: the optimizer was closed (its NVMe state is gone)")
+        directory = os.fspath(directory)
+        meta = torch.load(os.path.join(directory, "optimizer.pt"), weights_only=True)
+        own = meta.pop("tierflow")
+        ours = self._engine_layout(self._trainable())
+        if own["layout"] != ours:
+            diff = next(((a, b) for a, b in zip(own["layout"], ours) if a != b), (len(own["layout"]), len(ours)))
+            raise ValueError(f"load_state: {directory} holds the state of other parameters (saved {diff[0]}, "
+                             f"this optimizer {diff[1]})")
+        saved_sizes = [len(g["params"]) for g in meta["param_groups"]]
+        if saved_sizes != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(f"load_state: {directory} holds param groups of {saved_sizes} parameters, this "
+                             f"optimizer {[len(g['params']) for g in self.param_groups]}")
+        kept = (self._engine, self._engine_params, self._layout, self._carried, self._pending)
+        self._drop_engine()
+        self._pending = None
+        try:
+            engine = self._engine_for_step()
+            engine.load_state(directory, own["generation"], own["checkpoint"], *own["device"])
+        except BaseException:
+            self._engine, self._engine_params, self._layout, self._carried, self._pending = kept
+            raise
+        del kept  # the engine before this one, its store and files
+        params = self._all_params()
+        Optimizer.load_state_dict(self, meta)
+        for group in self.param_groups:
+            _check_group(group)
+        steps = float(own["checkpoint"]["steps"])
+        for p in self._engine_params:
+            self.state[p] = {"step": torch.tensor(steps, dtype=torch.float32)}
+        self._carried = {id(params[i]): {k: v.to(torch.float32) if torch.is_tensor(v) and k != "step" else v
+                                         for k, v in entry.items()}
+                         for i, entry in own["carried"].items()}
+
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         moments, zen = self._exported_state()
@@ -527,6 +618,21 @@ class ZenFlow(Optimizer):
         self._carried = {pid: entry for pid, entry in pending.items() if pid not in ids}
         for p in params:
             self.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+
+    def _engine_layout(self, params: list[Tensor]) -> list[tuple[int, str, tuple[int, ...], bool]]:
+        """What makes the engine's state (save_state() checks it at load):
+        per trainable parameter, its index, name, shape and whether Muon
+        steps it."""
+        index_of = {id(p): i for i, p in enumerate(self._all_params())}
+        return [(index_of[id(p)], self._name_of(p, index_of[id(p)]), tuple(p.shape), id(p) in self._muon_ids)
+                for p in params]
+
+    @staticmethod
+    def _device_buffers(engine: _core.ZenFlowEngine, selected: list[list[int]]) -> tuple[list[Tensor], ...]:
+        """Buffers for the device side's columns (read_device_state): per
+        parameter, len(selected) × rows float32 elements, three times."""
+        sizes = [len(columns) * rows for columns, (_, rows, _) in zip(selected, engine.shapes())]
+        return tuple([torch.empty(n, dtype=torch.float32) for n in sizes] for _ in range(3))
 
     def _name_of(self, p: Tensor, index: int) -> str:
         for group in self.param_groups:

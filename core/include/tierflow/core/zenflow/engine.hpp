@@ -395,6 +395,28 @@ class engine {
   // whole-matrix weight) or a device side without write_owned.
   void restore(const engine_checkpoint& c, std::span<const host_buffers> in, std::span<const std::int64_t> counts);
 
+  // A checkpoint that leaves the host's state where it lies, for a host
+  // state in a store (streamed_host_state: the store's own checkpoint saves
+  // its blocks as they are, through its host budget, and restores them
+  // into a new store of the same weights): the host's bytes keep their own
+  // count, nothing is rebased, and a resumed run is the one that went on,
+  // bit for bit. These two move the rest, the device's columns.
+  //
+  // Copies the master values and state of the columns the device owns into
+  // `out` (out[w].columns: selected(w), ascending; {0} for a 1-D weight;
+  // each span columns × rows floats, state1 empty for a one-state rule), at
+  // the device's count. Throws user_error unless the engine is quiet, for
+  // buffers not of that shape, or a device side without read_owned.
+  void read_device_state(std::span<const packed_columns> out);
+  // Resumes from `c` and `in` (read_device_state()'s, of c.selected) on an
+  // engine that has run no step and whose host state the caller has made
+  // the saved engine's: the counts, the selection and the trigger become
+  // c's, and the device takes `in` (hand_over() for a matrix's selected
+  // columns, write_owned() for a 1-D weight). Throws user_error as restore()
+  // does, or for `in` not of c's selection's shape (the engine unchanged
+  // then), or for a device side without write_owned.
+  void restore_device_state(const engine_checkpoint& c, std::span<const packed_columns> in);
+
   // Steps done (the device's step count), and CPU steps done (the host's).
   std::uint64_t steps() const noexcept { return step_; }
   std::int64_t host_steps() const noexcept { return host_step_; }
@@ -459,6 +481,12 @@ class engine {
   void worker_loop();
   void begin_host_step();
   bool quiet() const;
+  // restore()'s checks of `c` against this engine (user_error), and making
+  // its counts, trigger and selection the engine's.
+  void check_resumable(const engine_checkpoint& c) const;
+  void adopt(const engine_checkpoint& c);
+  // Whether `p` holds `columns` of weight `w` packed, with `two` states.
+  bool packed_shape(std::size_t w, std::span<const std::uint32_t> columns, const packed_columns& p, bool two) const;
   void rebase_runs(std::size_t w, std::span<const column_run> runs, const host_buffers& buffers,
                    std::int64_t from_step, std::int64_t to_step);
 
