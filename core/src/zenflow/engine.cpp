@@ -715,10 +715,7 @@ void copy_floats(std::span<const float> from, std::span<float> to) {
 }  // namespace
 
 void engine::read_state(std::span<const host_buffers> out) {
-  if (!quiet()) throw user_error("zenflow: reading the state needs a quiet engine: call finish() first");
-  if (out.size() != weights_.size())
-    throw user_error("zenflow: read_state: " + std::to_string(out.size()) + " buffers for " +
-                     std::to_string(weights_.size()) + " weights");
+  check_readable(out.size(), "read_state");
   const bool two = rule_.state_count() > 1;
   for (std::size_t w = 0; w < weights_.size(); ++w) {
     const std::uint64_t n = weights_[w].elements();
@@ -802,6 +799,13 @@ void engine::adopt(const engine_checkpoint& c) {
   }
 }
 
+void engine::check_readable(std::size_t buffers, const char* what) const {
+  if (!quiet()) throw user_error("zenflow: reading the state needs a quiet engine: call finish() first");
+  if (buffers != weights_.size())
+    throw user_error(std::string("zenflow: ") + what + ": " + std::to_string(buffers) + " buffers for " +
+                     std::to_string(weights_.size()) + " weights");
+}
+
 bool engine::packed_shape(std::size_t w, std::span<const std::uint32_t> columns, const packed_columns& p,
                           bool two) const {
   const std::uint64_t elements = columns.size() * weights_[w].rows;
@@ -855,10 +859,7 @@ void engine::restore(const engine_checkpoint& c, std::span<const host_buffers> i
 }
 
 void engine::read_device_state(std::span<const packed_columns> out) {
-  if (!quiet()) throw user_error("zenflow: reading the state needs a quiet engine: call finish() first");
-  if (out.size() != weights_.size())
-    throw user_error("zenflow: read_device_state: " + std::to_string(out.size()) + " buffers for " +
-                     std::to_string(weights_.size()) + " weights");
+  check_readable(out.size(), "read_device_state");
   const bool two = rule_.state_count() > 1;
   for (std::size_t w = 0; w < weights_.size(); ++w) {
     if (!packed_shape(w, splits_[w].selected(), out[w], two))

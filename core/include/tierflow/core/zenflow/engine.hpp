@@ -485,6 +485,9 @@ class engine {
   // its counts, trigger and selection the engine's.
   void check_resumable(const engine_checkpoint& c) const;
   void adopt(const engine_checkpoint& c);
+  // read_state()'s and read_device_state()'s checks: a quiet engine, and
+  // one buffer set per weight (user_error naming `what`).
+  void check_readable(std::size_t buffers, const char* what) const;
   // Whether `p` holds `columns` of weight `w` packed, with `two` states.
   bool packed_shape(std::size_t w, std::span<const std::uint32_t> columns, const packed_columns& p, bool two) const;
   void rebase_runs(std::size_t w, std::span<const column_run> runs, const host_buffers& buffers,
