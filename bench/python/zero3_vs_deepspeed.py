@@ -406,6 +406,33 @@ def nvme_bandwidth(directory, size=512 << 20, request=8 << 20, depth=8):
     return write, read
 
 
+# DeepSpeed JIT-compiles its C++ ops at their first use (torch's extension
+# cache keeps them): async_io for NVMe offload, cpu_adam for its CPU
+# optimizer. Their first build takes minutes on a small machine, and would
+# count against a contender's timeout, so they are built once before any.
+_DEEPSPEED_OPS = {"b": ("AsyncIOBuilder", "CPUAdamBuilder"), "b'": ("AsyncIOBuilder", "CPUAdamBuilder"),
+                  "e": ("CPUAdamBuilder",), "e'": ("CPUAdamBuilder",)}
+
+
+def build_deepspeed_ops(chosen, timeout=1800):
+    """Builds (or finds built) the DeepSpeed ops the chosen contenders use;
+    a failure is printed, and the contender then fails with its own error."""
+    builders = sorted({b for name in chosen for b in _DEEPSPEED_OPS.get(name, ())})
+    if not builders:
+        return
+    print(f"building DeepSpeed's {', '.join(builders)} ops (once: torch caches them) ...", file=sys.stderr, flush=True)
+    code = ("import deepspeed.ops.op_builder as b\n"
+            f"for name in {builders!r}:\n    getattr(b, name)().load()\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"  not built within {timeout} s", file=sys.stderr)
+        return
+    if proc.returncode != 0:
+        lines = [l for l in (proc.stderr + proc.stdout).splitlines() if l.strip()]
+        print(f"  failed: {lines[-1].strip() if lines else 'no output'}", file=sys.stderr)
+
+
 def run_contender(name, args, root):
     scratch = tempfile.mkdtemp(prefix="zero3-", dir=root)
     out = os.path.join(scratch, "result.json")
@@ -560,6 +587,7 @@ def main():
     root = args.nvme_dir or tempfile.gettempdir()
     if not os.path.isdir(root):
         parser.error(f"--nvme-dir: {root} is not a directory")
+    build_deepspeed_ops(chosen)
     load_before = os.getloadavg()[0]
     bandwidth = nvme_bandwidth(root)
     results = {}
