@@ -157,10 +157,10 @@ void prefetch_scheduler::stage_from(std::size_t position) {
   std::size_t j = position;
   for (; j < position + n && j <= position + options_.max_lookahead; ++j) {
     const block_access& a = schedule_[j % n];
-    const block_desc& d = store_.describe(a.block);
     if (a.mode == access::overwrite) {
-      if (!counted.emplace(a.block.value, false).second) continue;
-      if (a.where != tier_kind::host || index_of(d.home) <= index_of(tier_kind::host)) continue;
+      if (!counted.emplace(a.block.value, false).second || a.where != tier_kind::host) continue;
+      const block_desc& d = store_.describe(a.block);
+      if (index_of(d.home) <= index_of(tier_kind::host)) continue;
       const std::uint64_t bytes = aligned_size(d.size_bytes);
       if (bytes > room) break;
       room -= bytes;
@@ -171,7 +171,7 @@ void prefetch_scheduler::stage_from(std::size_t position) {
       if (!seen->second) skipped = std::min(skipped, j);
       continue;
     }
-    const std::uint64_t bytes = aligned_size(d.size_bytes);
+    const std::uint64_t bytes = aligned_size(store_.describe(a.block).size_bytes);
     if (bytes > room) break;  // the host tier's room bounds the window
     room -= bytes;
     // Past the device's prefetch window (those load straight to the device),

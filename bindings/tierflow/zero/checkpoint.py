@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from tierflow.torch.optim.adam import _save_file
+
 if TYPE_CHECKING:
     from tierflow.zero.engine import Engine
 
@@ -269,11 +271,11 @@ def _save_into(engine: "Engine", partial: str, client_state: dict) -> None:
     if engine.params is not None:
         engine.params.flush()
     _save_model(engine, os.path.join(partial, "model.safetensors"))
+    owner = engine.zenflow or engine.optimizer  # ZenFlow's masters with its state
     if _optimizer_on_nvme(engine):
-        (engine.zenflow or engine.optimizer).save_state(_optimizer_path(engine, partial))
+        owner.save_state(_optimizer_path(engine, partial))
     else:
-        owner = engine.zenflow if engine.zenflow is not None else engine.optimizer
-        _torch_save(owner.state_dict(), _optimizer_path(engine, partial))
+        _save_file(owner.state_dict(), _optimizer_path(engine, partial))
     if engine.group.rank != 0:
         return
     state = {
@@ -286,14 +288,7 @@ def _save_into(engine: "Engine", partial: str, client_state: dict) -> None:
         "parameters": [(n, list(x.shape), str(x.dtype)) for n, x in _model_entries(engine)],
         "world_size": engine.group.world_size,
     }
-    _torch_save(state, os.path.join(partial, "engine.pt"))
-
-
-def _torch_save(obj: Any, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    _save_file(state, os.path.join(partial, "engine.pt"))
 
 
 def load(engine: "Engine", load_dir: str, tag: str | None, load_optimizer: bool,

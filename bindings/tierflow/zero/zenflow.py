@@ -51,6 +51,7 @@ from typing import Any, Iterator
 
 import torch
 
+from tierflow.torch.optim.adam import _save_file
 from tierflow.zero.copies import copy_into
 from tierflow.zero.partition import ParamStore, Partition
 
@@ -255,10 +256,8 @@ class PartitionedZenFlow:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self.optimizer.save_state(directory)
         if self.params.plan.compute_dtype != torch.float32:
-            with open(os.path.join(directory, "masters.pt"), "wb") as f:
-                torch.save({part.name: master.detach() for part, master in zip(self.parts, self.masters)}, f)
-                f.flush()
-                os.fsync(f.fileno())
+            _save_file({part.name: master.detach() for part, master in zip(self.parts, self.masters)},
+                       os.path.join(directory, "masters.pt"))
 
     def load_state(self, directory: str) -> None:
         """Loads :meth:`save_state`'s directory after the model's values were

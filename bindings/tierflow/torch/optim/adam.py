@@ -231,6 +231,16 @@ _SUB_GROUPS_IN_BUDGET = 4
 _DEFAULT_SUB_GROUP_BYTES = 64 << 20
 _MIN_HOST_MEMORY = 64 << 10
 _PAGE = 4096
+
+
+def _save_file(obj: Any, path: str) -> None:
+    """torch.save of ``obj`` into ``path``, whole or not at all: written
+    beside it, synced, then renamed over it."""
+    with open(path + ".tmp", "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
 _MAX_FILE_BYTES = 256 << 20
 _OFFLOADS = ("cpu", "nvme")
 # state_dtype's spellings; the moments are fp32 or bf16 (the kernel's two state dtypes).
@@ -377,9 +387,7 @@ class _NvmeState:
         own["generation"] = self._nvme.save(directory)
         meta = Optimizer.state_dict(self)  # param groups and what self.state holds (steps, masters)
         meta["tierflow"] = own
-        path = os.path.join(directory, "optimizer.pt")
-        torch.save(meta, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        _save_file(meta, os.path.join(directory, "optimizer.pt"))
 
     def _load_nvme(self, directory: str | os.PathLike, layout: str) -> tuple[dict[str, Any], Any]:
         """load_state(): checks that ``directory`` holds this optimizer's

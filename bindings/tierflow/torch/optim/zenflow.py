@@ -20,7 +20,8 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from tierflow import _core
-from tierflow.torch.optim.adam import _PAGE, _check_hyper_parameters, _check_offload, _nvme_sizes, _scalar
+from tierflow.torch.optim.adam import (_PAGE, _check_hyper_parameters, _check_offload, _nvme_sizes, _save_file,
+                                        _scalar)
 from tierflow.torch.optim.muon import _ADJUST_LR_FNS, muon_param_groups
 
 __all__ = ["ZenFlow"]
@@ -433,12 +434,7 @@ class ZenFlow(Optimizer):
         meta = Optimizer.state_dict(self)  # the param groups, and each parameter's step
         meta["state"] = {index_of[id(p)]: {"step": self.state[p]["step"].clone()} for p in params}
         meta["tierflow"] = own
-        path = os.path.join(directory, "optimizer.pt")
-        with open(path + ".tmp", "wb") as f:
-            torch.save(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        _save_file(meta, os.path.join(directory, "optimizer.pt"))
 
     def load_state(self, directory: str | os.PathLike) -> None:
         """With offload="nvme", resumes what :meth:`save_state` saved in
