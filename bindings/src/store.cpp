@@ -59,6 +59,54 @@ namespace {
 
 constexpr std::uint64_t default_file_size = 256ull << 20;  // nvme_tier_options' default
 
+// The NVMe tier's I/O engine from a dict of block_size, queue_depth, threads
+// and submit_batch (each optional: the engine's default), as a DeepSpeed
+// config's aio section gives them (tierflow.config's AioConfig.engine_options).
+// A key of another name, a value that is not a whole number or one outside
+// the engine's range is a user_error naming aio.<key>.
+io::engine_config parse_engine_options(const nb::dict& options) {
+  io::engine_config c;
+  for (auto [key, value] : options) {
+    const std::string name = nb::cast<std::string>(nb::isinstance<nb::str>(key) ? nb::str(key) : nb::repr(key));
+    const std::string where = "aio." + name;
+    std::uint64_t v = 0;
+    if (nb::isinstance<nb::bool_>(value) || !nb::isinstance<nb::int_>(value) || !nb::try_cast(value, v))
+      throw user_error(where + ": " + nb::cast<std::string>(nb::repr(value)) + " is not a whole number");
+    auto in = [&](std::uint64_t low, std::uint64_t high) {
+      if (v < low || v > high)
+        throw user_error(where + ": " + std::to_string(v) + " is not in " + std::to_string(low) + ".." +
+                         std::to_string(high));
+    };
+    if (name == "block_size") {
+      if (v == 0 || v % 4096 != 0 || v > (1u << 30))
+        throw user_error(where + ": " + std::to_string(v) + " is not a multiple of 4096 between 4 KiB and 1 GiB");
+      c.block_size = v;
+    } else if (name == "queue_depth") {
+      in(1, 4096);
+      c.queue_depth = static_cast<unsigned>(v);
+    } else if (name == "threads") {
+      in(1, 256);
+      c.threads = static_cast<unsigned>(v);
+    } else if (name == "submit_batch") {
+      in(0, 4096);
+      c.submit_batch = static_cast<unsigned>(v);
+    } else {
+      throw user_error(where + ": unknown key (block_size, queue_depth, threads, submit_batch)");
+    }
+  }
+  io::validate(c);  // the engine's own checks: the same ranges
+  return c;
+}
+
+nb::dict engine_options_of(const io::engine_config& c) {
+  nb::dict out;
+  out["block_size"] = c.block_size;
+  out["queue_depth"] = c.queue_depth;
+  out["threads"] = c.threads;
+  out["submit_batch"] = c.submit_batch;
+  return out;
+}
+
 access parse_access(const std::string& text) {
   for (access a : {access::read, access::write, access::overwrite})
     if (text == name(a)) return a;
@@ -293,14 +341,16 @@ class store_handle {
   store_handle(std::uint64_t host_budget, const std::optional<std::string>& nvme_dir,
                std::uint64_t nvme_budget, std::uint64_t device_budget,
                const std::string& device_backend, bool trace, bool checksums,
-               std::uint64_t file_size, bool single_holder) {
+               std::uint64_t file_size, bool single_holder, const std::optional<nb::dict>& aio) {
     const tiers::device_backend backend = parse_backend(device_backend);
     // Options without their tier would be read and ignored: refuse them.
     if (!nvme_dir) {
       if (nvme_budget != 0) throw user_error("nvme_budget: given without nvme_dir");
       if (checksums) throw user_error("checksums: given without nvme_dir (they cover NVMe blocks)");
       if (file_size != default_file_size) throw user_error("file_size: given without nvme_dir");
+      if (aio) throw user_error("aio: given without nvme_dir (it configures the NVMe tier's I/O engine)");
     }
+    const io::engine_config io = aio ? parse_engine_options(*aio) : io::engine_config{};
     if (device_budget == 0 && backend != tiers::device_backend::automatic)
       throw user_error("device_backend: '" + device_backend + "' given without device_budget");
     if (file_size == 0) throw user_error("file_size: 0 (each NVMe file must hold at least one block)");
@@ -309,7 +359,7 @@ class store_handle {
     config.host = tiers::host_tier_options{.budget = host_budget};
     if (nvme_dir)
       config.nvme = tiers::nvme_tier_options{
-          .directory = *nvme_dir, .budget = nvme_budget, .file_size = file_size, .checksums = checksums};
+          .directory = *nvme_dir, .budget = nvme_budget, .file_size = file_size, .checksums = checksums, .io = io};
     if (device_budget != 0)
       config.device = tiers::device_tier_options{.budget = device_budget, .backend = backend};
     config.store.trace = trace;
@@ -324,6 +374,7 @@ class store_handle {
       }
     }
     state_ = std::move(state);
+    if (nvme_dir) io_ = io;
   }
 
   ~store_handle() {
@@ -356,6 +407,12 @@ class store_handle {
   }
 
   bool device_is_cuda() const noexcept { return state_->cuda_device >= 0; }
+
+  // The I/O engine the NVMe tier was built with, or None without one.
+  std::optional<nb::dict> io_config() const {
+    if (!io_) return std::nullopt;
+    return engine_options_of(*io_);
+  }
 
   std::optional<std::uint32_t> find(const std::string& name) const {
     std::optional<block_id> id;
@@ -451,6 +508,7 @@ class store_handle {
   block_store& store() const { return *state_->store; }
 
   std::shared_ptr<const store_state> state_;
+  std::optional<io::engine_config> io_;  // the NVMe tier's, as built
 };
 
 // tierflow._core.PrefetchScheduler: core's prefetch_scheduler over a Store,
@@ -642,10 +700,10 @@ void bind_store(nb::module_& m) {
       "its budget. Leases and schedulers keep the store's memory alive, so it is freed when\n"
       "the last of them goes; close() ends its use.")
       .def(nb::init<std::uint64_t, const std::optional<std::string>&, std::uint64_t, std::uint64_t,
-                    const std::string&, bool, bool, std::uint64_t, bool>(),
+                    const std::string&, bool, bool, std::uint64_t, bool, const std::optional<nb::dict>&>(),
            "host_budget"_a, "nvme_dir"_a = nb::none(), "nvme_budget"_a = 0, "device_budget"_a = 0,
            "device_backend"_a = "auto", "trace"_a = false, "checksums"_a = false,
-           "file_size"_a = default_file_size, "single_holder"_a = false,
+           "file_size"_a = default_file_size, "single_holder"_a = false, "aio"_a = nb::none(),
            "device_backend: 'auto' (the CUDA pool when a GPU is present, else the host stand-in),\n"
            "'cuda' (ValueError without a CUDA device) or 'stand_in' (plain host memory with the\n"
            "device's budget). trace: record every transfer and wait for write_trace().\n"
@@ -656,8 +714,11 @@ void bind_store(nb::module_& m) {
            "piece, and no transfer or eviction will free more) raises TierflowError with errno\n"
            "EDEADLK naming the block, the tier, its budget, use and largest free piece, and the\n"
            "blocks whose leases hold it, instead of waiting for ever. Without it such a wait ends\n"
-           "when another thread releases a lease. Raises\n"
-           "ValueError for a zero budget, an option without its tier or an unknown backend,\n"
+           "when another thread releases a lease. aio: the NVMe tier's I/O engine, a dict of\n"
+           "block_size, queue_depth, threads and submit_batch (each optional), as a DeepSpeed\n"
+           "config's aio section sets them (None: the engine's own defaults). Raises\n"
+           "ValueError for a zero budget, an option without its tier, an unknown backend or a bad\n"
+           "aio value (naming aio.<key>),\n"
            "TierflowError when the host memory cannot be mapped or nvme_dir cannot be used.")
       .def("create_block", &store_handle::create_block, "name"_a, "size_bytes"_a, "home"_a = "host",
            "Creates a block of `size_bytes` homed in `home` ('host' or 'nvme') and returns its id.\n"
@@ -667,6 +728,9 @@ void bind_store(nb::module_& m) {
            "name in use or a tier the store lacks.")
       .def_prop_ro("block_count", &store_handle::block_count, "How many blocks the store has.")
       .def_prop_ro("tiers", &store_handle::tiers, "The tiers present, fastest first: of 'device', 'host', 'nvme'.")
+      .def("io_config", &store_handle::io_config,
+           "The I/O engine the NVMe tier was built with: {'block_size', 'queue_depth', 'threads',\n"
+           "'submit_batch'}; None without an NVMe tier.")
       .def_prop_ro("device_is_cuda", &store_handle::device_is_cuda,
                    "Whether the device tier is CUDA memory (False for the stand-in or no device tier).")
       .def("find", &store_handle::find, "name"_a, "The id of the block named `name`, or None.")
