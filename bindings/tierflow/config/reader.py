@@ -1,12 +1,14 @@
 """The DeepSpeed reader: :func:`from_deepspeed` walks a DeepSpeed config
 section by section, as DeepSpeed reads it, into the dataclasses of
-``schema.py``; every key is taken by name, so what is left over is reported
-by name (the tables below say why DeepSpeed keys tierflow knows are not
-acted on)."""
+``schema.py``. Every key is taken by name, so none goes unseen: it acts, or
+it is refused by name (a value that would change what DeepSpeed trains and
+that tierflow does not do, or a key tierflow does not know), or it is
+reported by name as not used (``known.py`` says which and why)."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import types
@@ -14,6 +16,7 @@ import warnings
 from typing import Any, Callable, Mapping
 
 from tierflow import _core
+from tierflow.config import known
 from tierflow.config.auto import (BATCH_KEYS, Resolver, derive_batch, from_hidden, from_optimizer, model_facts,
                                   optimizer_facts, unresolved)
 from tierflow.config.optimizers import AdamConfig, MuonConfig
@@ -27,6 +30,8 @@ from tierflow.config.values import (_betas, _choice, _flag, _json_numbers, _lr_o
 
 __all__ = ["from_deepspeed"]
 
+_STRICT_HINT = "tierflow.strict_config: false reports these as a warning instead"
+
 
 # ---- the reader -------------------------------------------------------------------------------
 
@@ -38,15 +43,20 @@ class _Run:
         self.model = model
         self.optimizer = optimizer
         self.world_size = world_size
+        self.strict_config = True  # tierflow.strict_config, read first
         self.sources: dict[str, str] = {}
         self.unresolved: list[str] = []
         self.not_used: list[UnusedKey] = []
         self.mismatches: list[str] = []
+        # Refused unless tierflow.strict_config is false (then reported as not
+        # used): unknown keys, and values that tierflow does otherwise but
+        # whose difference changes nothing in what is trained.
+        self.strict_refusals: list[tuple[UnusedKey, str]] = []  # (as reported, as refused)
 
 
 class _Section:
     """One object of the config: hands out its keys by name and remembers
-    which were taken, so that what is left over is reported by name."""
+    which were taken, so that what is left over is named."""
 
     def __init__(self, run: _Run, path: str, data: Any, *, auto_is_default: bool) -> None:
         if not isinstance(data, Mapping):
@@ -120,14 +130,63 @@ class _Section:
         if name in self.data and not agrees(self.data[name]):
             self.run.not_used.append(UnusedKey(self.key(name), reason))
 
-    def finish(self, known: Mapping[str, str] = types.MappingProxyType({}), *,
+    def refuse(self, name: str, agrees: Callable[[Any], bool], why: str) -> None:
+        """Accepts ``name`` when its value is what tierflow does; any other
+        value would change what is trained, so it is a ValueError saying why."""
+        self.taken.add(name)
+        if name in self.data and not agrees(self.data[name]):
+            raise ValueError(f"{self.key(name)}: {_show(self.data[name])} is not supported: {why}")
+
+    def refuse_enabled(self, name: str, why: str) -> None:
+        """Accepts the section ``name`` quietly while its feature is off, as in
+        tierflow; ``"enabled": true`` turns on what tierflow does not run: a
+        ValueError saying why."""
+        self.taken.add(name)
+        if name not in self.data or self.data[name] is None:
+            return
+        if not isinstance(self.data[name], Mapping):
+            raise ValueError(f"{self.key(name)}: {_show(self.data[name])} is not an object")
+        if known.enabled(self.data[name]):
+            raise ValueError(f"{self.key(name)}.enabled: true is not supported: {why}")
+
+    def contradicts(self, name: str, value: Any, agrees: Callable[[Any], bool], what: str) -> None:
+        """``value`` (``name``'s, converted) describes what tierflow does
+        when ``agrees``; else it asks for another way of doing the same, which
+        tierflow does not have (``what`` says what it does): refused, or
+        reported with ``tierflow.strict_config`` false."""
+        self.taken.add(name)
+        if name in self.data and not agrees(value):
+            path = self.key(name)
+            self.run.strict_refusals.append((UnusedKey(path, f"not used by tierflow: {what}"),
+                                             f"{path}: {_show(self.data[name])} is not what tierflow does: {what}"))
+
+    def finish(self, known_keys: Mapping[str, str] = types.MappingProxyType({}), *,
                unknown: str = "unknown key") -> None:
-        """Reports every key not taken: DeepSpeed's with the reason in ``known``,
-        any other as ``unknown``."""
+        """Names every key not taken: DeepSpeed's that tierflow leaves alone
+        (``known_keys``, with the reason) as not used; any other as
+        ``unknown``, with the nearest of this section's keys."""
+        candidates = sorted(self.taken | set(known_keys))
         for name in self.data:
-            if name not in self.taken:
-                self.taken.add(name)
-                self.run.not_used.append(UnusedKey(self.key(name), known.get(name, unknown)))
+            if name in self.taken:
+                continue
+            self.taken.add(name)
+            if name in known_keys:
+                self.run.not_used.append(UnusedKey(self.key(name), known_keys[name]))
+                continue
+            path = self.key(name)
+            close = _nearest(name, candidates)
+            hint = f"; did you mean '{close}'?" if close else ""
+            self.run.strict_refusals.append((UnusedKey(path, unknown), f"{path}: {unknown}{hint}"))
+
+
+def _nearest(name: str, candidates: list[str]) -> str | None:
+    """The known key ``name`` is most likely a misspelling of: the closest by
+    difflib's ratio, else one it begins or ends (``topk`` for ``topk_ratio``)."""
+    close = difflib.get_close_matches(name, candidates, n=1)
+    if close:
+        return close[0]
+    partial = [c for c in candidates if len(name) >= 3 and (c.startswith(name) or c.endswith(name))]
+    return min(partial, key=len) if partial else None
 
 
 def _load(path_or_dict: Any) -> Mapping[str, Any]:
@@ -178,64 +237,8 @@ def _check_match(run: _Run, section: _Section, name: str, convert: Callable[[str
                               "optimizer given")
 
 
-# ---- what tierflow knows of DeepSpeed and leaves alone ----------------------------------------
 
-_MONITORING = "not used by tierflow: DeepSpeed's monitoring and logging"
-_PROFILING = "not used by tierflow: DeepSpeed's profilers (tierflow reports its own telemetry and traces)"
-_COLLECTIVES = "not used by tierflow: a tuning of DeepSpeed's collectives"
-_ZERO_PLUS = "not used by tierflow: a ZeRO++/MiCS feature of DeepSpeed"
-_INTERNALS = "not used by tierflow: a switch of DeepSpeed's own engine"
-_TRAINING = "not used by tierflow: a DeepSpeed training feature tierflow does not run"
-
-_UNUSED_TOP: dict[str, str] = {
-    **{k: _MONITORING for k in ("comms_logger", "tensorboard", "wandb", "csv_monitor", "comet", "timers",
-                                "memory_breakdown", "dump_state", "log_level")},
-    **{k: _PROFILING for k in ("flops_profiler", "autotuning", "eigenvalue")},
-    **{k: _COLLECTIVES for k in ("communication_data_type", "seq_parallel_communication_data_type",
-                                 "prescale_gradients", "gradient_predivide_factor", "gradient_allreduce_op",
-                                 "disable_allgather", "sparse_gradients")},
-    **{k: _TRAINING for k in ("activation_checkpointing", "sparse_attention", "data_efficiency",
-                              "curriculum_learning", "progressive_layer_drop", "compression_training",
-                              "weight_quantization", "elasticity", "pipeline", "hybrid_engine",
-                              "tensor_parallel", "expert_parallel", "sequence_parallel_size", "compile",
-                              "amp", "torch_autocast", "graph_harvesting", "vocabulary_size",
-                              "dataloader_drop_last")},
-    **{k: "not used by tierflow: DeepSpeed's checkpointing" for k in ("checkpoint", "nebula", "datastates_ckpt",
-                                                                       "data_types")},
-    "zero_allow_untested_optimizer": "not used by tierflow: it runs its own optimizers",
-    "zero_force_ds_cpu_optimizer": "not used by tierflow: it runs its own optimizers",
-    "managed_gradient_accumulation": _INTERNALS,
-}
-
-_UNUSED_ZERO: dict[str, str] = {
-    **{k: _COLLECTIVES for k in ("allgather_partitions", "allgather_bucket_size", "reduce_scatter",
-                                 "use_multi_rank_bucket_allreduce", "round_robin_gradients",
-                                 "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
-                                 "stage3_allgather_sequential", "allgather_sequential")},
-    **{k: _ZERO_PLUS for k in ("zero_hpz_partition_size", "zero_quantized_weights",
-                               "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
-                               "zeropp_loco_param", "mics_shard_size", "mics_hierarchical_params_gather")},
-    **{k: _INTERNALS for k in ("load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters",
-                               "legacy_stage1", "memory_efficient_linear", "pipeline_loading_checkpoint",
-                               "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
-                               "leaf_module", "stage3_module_granularity_threshold",
-                               "module_granularity_threshold", "stage3_model_persistence_threshold",
-                               "model_persistence_threshold")},
-    "save_muon_momentum_buffer_in_memory":
-        "not used by tierflow: it places the Muon momentum by the tier budgets",
-    "cpu_offload_use_pin_memory": "not used by tierflow: deprecated, and ignored by DeepSpeed too "
-                                  "(use offload_optimizer.pin_memory / offload_param.pin_memory)",
-}
-
-_UNUSED_PRECISION: dict[str, str] = {
-    "auto_cast": "not used by tierflow: casting inputs is the model's business",
-    "fp16_master_weights_and_grads": "not used by tierflow: it keeps fp32 masters and gradients",
-    "bf16_master_weights_and_grads": "not used by tierflow: it keeps fp32 masters and gradients",
-    "bf16_optimizer_states": "not used by tierflow: it keeps the optimizer state in fp32",
-    "immediate_grad_update": "not used by tierflow: its gradients go to the host as they are produced",
-    "check_grad_overflow": "not used by tierflow: bf16 training skips no step",
-}
-
+# ---- optimizer and scheduler -----------------------------------------------------------------
 
 def _read_optimizer(run: _Run, top: _Section) -> AdamConfig | MuonConfig | None:
     s = top.section("optimizer", auto_is_default=False)
@@ -300,8 +303,7 @@ def _read_optimizer(run: _Run, top: _Section) -> AdamConfig | MuonConfig | None:
     if p.get("bias_correction", _flag, True) is False:
         raise ValueError("optimizer.params.bias_correction: false is not supported: tierflow's Adam always "
                          "corrects the moments' bias")
-    p.unless("fp32_optimizer_states", lambda v: v is True,
-             "not used by tierflow: it keeps the optimizer state in fp32")
+    p.refuse("fp32_optimizer_states", lambda v: v is True, "tierflow keeps the optimizer state in fp32")
     p.finish(unknown=f"unknown key for {result.type}")
     s.finish()
     for name, convert in (("lr", nonneg), ("betas", _betas), ("eps", nonneg), ("weight_decay", nonneg)):
@@ -348,32 +350,46 @@ def _read_scheduler(run: _Run, top: _Section, optimizer: AdamConfig | MuonConfig
     if kind == "WarmupCosineLR":
         values["warmup_min_ratio"] = p.get("warmup_min_ratio", _real(0.0, 1.0), 0.0)
         values["cos_min_ratio"] = p.get("cos_min_ratio", _real(0.0, 1.0), 0.0001)
-    p.unused("last_batch_iteration", "not used by tierflow: resume a schedule from its state_dict")
-    others = {name: f"not a {kind} parameter" for names in _SCHEDULER_PARAMS.values() for name in names}
-    p.finish(others)
+    p.refuse("last_batch_iteration", lambda v: v == -1 and not isinstance(v, bool),
+             "tierflow's schedule starts at the first step (-1); a run's schedule resumes with load_checkpoint")
+    # DeepSpeed passes these as the schedule's arguments: another one's is refused there too.
+    p.finish(unknown=f"not a {kind} parameter")
     s.finish()
     return SchedulerConfig(type=kind, **values)
 
 
-def _read_offload(run: _Run, z: _Section, name: str, nvme_dir: str | None,
-                  param: bool) -> OffloadOptimizerConfig | OffloadParamConfig:
+# ---- zero_optimization ------------------------------------------------------------------------
+
+_PINNED = ("it pins (page-locks) the host memory it copies to and from the device, where the system "
+           "allows, as true says")
+
+
+def _read_offload(run: _Run, z: _Section, name: str, stage: int, nvme_dir: str | None,
+                  param: bool) -> OffloadOptimizerConfig | OffloadParamConfig | None:
+    """The offload section ``name``, or None when it is absent (or null)."""
     cls = OffloadParamConfig if param else OffloadOptimizerConfig
+    if z.data.get(name, None) is None:
+        z.taken.add(name)
+        return None
     s = z.section(name, auto_is_default=True)
-    if s is None:
-        prefix = f"{z.key(name)}."
-        for f in dataclasses.fields(cls):
-            run.sources[prefix + f.name] = "default"
-        return cls()
+    assert s is not None
     device = s.get("device", _choice("none", "cpu", "nvme"), "none")
     defaults = cls()
-    values: dict[str, Any] = {
-        "device": device,
-        "pin_memory": s.get("pin_memory", _flag, True),
-        "buffer_count": s.get("buffer_count", _whole(1), defaults.buffer_count),
-    }
+    values: dict[str, Any] = {"device": device}
+    s.contradicts("pin_memory", s.get("pin_memory", _flag, True), lambda v: v is True, _PINNED)
+    # The NVMe buffers size something only where NVMe is streamed through them.
+    if device == "nvme" and (param or stage == 3):
+        values["buffer_count"] = s.get("buffer_count", _whole(1), defaults.buffer_count)
+    else:
+        s.unused("buffer_count", f'not used: device is "{device}"' if device != "nvme" else
+                 f"not used at stage {stage}: the optimizer's NVMe state streams through a host budget of its "
+                 "own size, up to 256 MiB")
     if param:
-        values["buffer_size"] = s.get("buffer_size", _whole(1), defaults.buffer_size)  # type: ignore[attr-defined]
-        values["max_in_cpu"] = s.get("max_in_cpu", _whole(0), defaults.max_in_cpu)  # type: ignore[attr-defined]
+        for key, convert in (("buffer_size", _whole(1)), ("max_in_cpu", _whole(0))):
+            if device == "nvme":
+                values[key] = s.get(key, convert, getattr(defaults, key))
+            else:
+                s.unused(key, f'not used: device is "{device}"')
     path = s.key("nvme_path")
     if device == "nvme":
         given = s.get("nvme_path", lambda k, v: v if v is None else _text(k, v), None)
@@ -407,11 +423,14 @@ def _read_zenflow(run: _Run, z: _Section) -> ZenflowConfig | None:
     section = z.raw("zenflow")
     if section is None:
         return None
-    if not isinstance(section, Mapping):
-        raise ValueError(f"zero_optimization.zenflow: {_show(section)} is not an object")
+    # Its keys go to the C++ parser; the unknown ones are named here, as everywhere.
+    s = _Section(run, "zero_optimization.zenflow", section, auto_is_default=True)
+    s.taken.update((*_ZENFLOW_KEYS, "offload"))
+    s.finish()
     # DeepSpeed drops "auto" values from its pydantic sections: the default,
     # which for the intervals and the strategy is "auto" itself.
-    given = {k: v for k, v in _json_numbers(section).items() if not (isinstance(v, str) and v == "auto")}
+    given = {k: v for k, v in _json_numbers(section).items()
+             if k in s.taken and k in (*_ZENFLOW_KEYS, "offload") and not (isinstance(v, str) and v == "auto")}
     try:
         read = _core.zenflow_config(given)
     except ValueError as e:
@@ -429,6 +448,14 @@ def _no_offload(value: Any) -> bool:
     return value is None or value is False or (isinstance(value, Mapping) and value.get("device") == "none")
 
 
+# A ZeRO stage 1-3 config without an offload section reads as "cpu", what
+# tierflow does; "none" (DeepSpeed's default: kept on the accelerator) is refused.
+_OPTIMIZER_HOME = ("tierflow steps the optimizer on the CPU, so its state lives in host memory or on NVMe, never "
+                   'on the device; give "cpu" or "nvme"')
+_PARAM_HOME = ("tierflow's stage 3 homes every parameter in host memory or on NVMe and fetches it to the device "
+               'for its module; give "cpu" or "nvme"')
+
+
 def _read_zero(run: _Run, top: _Section, nvme_dir: str | None) -> ZeroConfig:
     zp = "zero_optimization"
     if zp in top and isinstance(top.data[zp], bool):
@@ -439,6 +466,7 @@ def _read_zero(run: _Run, top: _Section, nvme_dir: str | None) -> ZeroConfig:
     else:
         z = top.section(zp, auto_is_default=True) or _Section(run, zp, {}, auto_is_default=True)
         stage = z.get("stage", _stage, 0)
+
     def hidden(rule: Callable[[int], int], text: str) -> Resolver:
         return from_hidden(run.model, rule, text)
 
@@ -466,42 +494,68 @@ def _read_zero(run: _Run, top: _Section, nvme_dir: str | None) -> ZeroConfig:
     legacy_cpu = {new: bool(z.data.get(old)) for old, new in (("cpu_offload", "offload_optimizer"),
                                                              ("cpu_offload_param", "offload_param"))}
 
+    def offload(name: str, param: bool, legacy: str) -> Any:
+        """The offload section at a stage that reads it: "cpu" when absent,
+        "none" refused (after what else depends on it was checked)."""
+        cls = OffloadParamConfig if param else OffloadOptimizerConfig
+        section = _read_offload(run, z, name, stage, nvme_dir, param=param)
+        if legacy_cpu[name]:
+            run.sources[f"{zp}.{name}.device"] = f"{zp}.{legacy} (deprecated)"
+            return cls(device="cpu")
+        if section is None:
+            run.sources[f"{zp}.{name}.device"] = ('default: "cpu", where tierflow keeps it (DeepSpeed\'s '
+                                                 'default, "none", keeps it on the accelerator)')
+            return cls(device="cpu")
+        return section
+
     values: dict[str, Any] = {"stage": stage}
+    refused_none: list[str] = []
     if stage >= 1:
-        offload = _read_offload(run, z, "offload_optimizer", nvme_dir, param=False)
-        if legacy_cpu["offload_optimizer"]:
-            offload = OffloadOptimizerConfig(device="cpu")
-            run.sources[f"{zp}.offload_optimizer.device"] = f"{zp}.cpu_offload (deprecated)"
-        values["offload_optimizer"] = offload
+        optimizer_offload = offload("offload_optimizer", False, "cpu_offload")
         zenflow = _read_zenflow(run, z)
-        if zenflow is not None and offload.device == "none":
+        if zenflow is not None and optimizer_offload.device == "none":
             raise ValueError(f'{zp}.zenflow: needs {zp}.offload_optimizer.device "cpu" or "nvme" '
                              "(ZenFlow steps the less important columns on the CPU)")
+        if optimizer_offload.device == "none":
+            refused_none.append(f'{zp}.offload_optimizer.device: "none" (the state on the accelerator) is not '
+                                f"supported: {_OPTIMIZER_HOME}")
+        values["offload_optimizer"] = optimizer_offload
         values["zenflow"] = zenflow
     else:
         for name in ("offload_optimizer", "zenflow", "cpu_offload"):
             z.unless(name, _no_offload, "not used at stage 0 (ZeRO is off)")
     if stage == 3:
-        offload_param = _read_offload(run, z, "offload_param", nvme_dir, param=True)
-        if legacy_cpu["offload_param"]:
-            offload_param = OffloadParamConfig(device="cpu")
-            run.sources[f"{zp}.offload_param.device"] = f"{zp}.cpu_offload_param (deprecated)"
-        values["offload_param"] = offload_param
+        param_offload = offload("offload_param", True, "cpu_offload_param")
+        if param_offload.device == "none":
+            refused_none.append(f'{zp}.offload_param.device: "none" (the parameters on the accelerator) is not '
+                                f"supported: {_PARAM_HOME}")
+        values["offload_param"] = param_offload
     else:
         for name in ("offload_param", "cpu_offload_param"):
             z.unless(name, _no_offload, f"not used at stage {stage} (parameter offload is ZeRO-3's)")
     z.taken.update(("cpu_offload", "cpu_offload_param"))
+    if refused_none:
+        _raise_strict_refusals(run)  # a misspelt device is the likelier cause: name it first
+        raise ValueError("; ".join(refused_none))
 
-    elements = _whole(0)
-    values["sub_group_size"] = z.get("sub_group_size", _whole(1), 1_000_000_000)
-    values["reduce_bucket_size"] = z.get("reduce_bucket_size", elements, 500_000_000,
-                                         auto=hidden(lambda h: h * h, "h²"))
-    values["contiguous_gradients"] = z.get("contiguous_gradients", _flag, True)
-    values["overlap_comm"] = z.get("overlap_comm", lambda k, v: v if v is None else _flag(k, v), None)
-    if values["overlap_comm"] is None:
-        values["overlap_comm"] = stage == 3
-        run.sources[f"{zp}.overlap_comm"] = f"default: {json.dumps(stage == 3)} at stage {stage}"
+    # How DeepSpeed moves the gradients: at stage 3 tierflow reduces each one
+    # (in fp32, over the ranks) and adds it into its own host block as it is
+    # produced, during the backward; at stages 0-2 one process keeps them where
+    # autograd leaves them until the optimizer's step reads them.
     if stage == 3:
+        z.contradicts("overlap_comm", z.get("overlap_comm", lambda k, v: v if v is None else _flag(k, v), True),
+                      lambda v: v in (None, True),
+                      "its stage 3 reduces and moves each gradient during the backward, as it is produced, as true says")
+        z.contradicts("contiguous_gradients", z.get("contiguous_gradients", _flag, True), lambda v: v is True,
+                      "its stage 3 copies each gradient into a contiguous host block of its own as it is "
+                      "produced, as true says")
+    else:
+        for name in ("overlap_comm", "contiguous_gradients"):
+            z.unused(name, f"not used at stage {stage}: one process, whose gradients stay where autograd leaves "
+                           "them until the optimizer's step reads them")
+    elements = _whole(0)
+    if stage == 3:
+        values["sub_group_size"] = z.get("sub_group_size", _whole(1), 1_000_000_000)
         values["stage3_prefetch_bucket_size"] = aliased(
             "stage3_prefetch_bucket_size", elements, 50_000_000,
             hidden(lambda h: int(0.9 * h * h), "0.9·h² rounded down"))
@@ -523,30 +577,39 @@ def _read_zero(run: _Run, top: _Section, nvme_dir: str | None) -> ZeroConfig:
                 "stage3_gather_16bit_weights_on_model_save", _flag, False)
     else:
         reason = f"not used at stage {stage} (a ZeRO-3 setting)"
-        for name in (*_STAGE3_KEYS, *_STAGE3_ALIASES.values(), "stage3_gather_fp16_weights_on_model_save"):
+        for name in ("sub_group_size", *_STAGE3_KEYS, *_STAGE3_ALIASES.values(),
+                     "stage3_gather_fp16_weights_on_model_save"):
             z.unused(name, reason)
-    z.finish(_UNUSED_ZERO)
+    for name, (agrees, why) in known.ZERO_REFUSED.items():
+        z.refuse(name, agrees, why)
+    z.finish(known.ZERO_UNUSED)
     return ZeroConfig(**values)
 
+
+# ---- aio, precision, the tierflow section, the batch ------------------------------------------
 
 _AIO_DEFAULTS = {"block_size": 1_048_576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
                  "overlap_events": True}
 
 
-def _read_aio(run: _Run, top: _Section) -> AioConfig:
-    # DeepSpeed takes "aio": null as no section.
-    s = None if top.data.get("aio", {}) is None else top.section("aio", auto_is_default=False)
+def _read_aio(run: _Run, top: _Section) -> AioConfig | None:
+    """The aio section, with DeepSpeed's defaults for the keys it leaves out;
+    None without one (DeepSpeed takes "aio": null as none), so that the store
+    keeps tierflow's own I/O engine defaults."""
     top.taken.add("aio")
-    data: Mapping[str, Any] = {} if s is None else s.data
-    if s is not None:
-        for name, value in data.items():
-            if isinstance(value, str) and value.strip() == "auto":
-                raise ValueError(f'aio.{name}: "auto" is not resolved for this key; give a value')
-        if "thread_count" in data and "intra_op_parallelism" in data:
-            a, b = _json_numbers({"a": data["thread_count"], "b": data["intra_op_parallelism"]}).values()
-            if a != b:
-                raise ValueError(f"aio.thread_count {_show(data['thread_count'])} and aio.intra_op_parallelism "
-                                 f"{_show(data['intra_op_parallelism'])} disagree (one setting, two names)")
+    if top.data.get("aio", None) is None:
+        return None
+    s = top.section("aio", auto_is_default=False)
+    assert s is not None
+    data: Mapping[str, Any] = s.data
+    for name, value in data.items():
+        if isinstance(value, str) and value.strip() == "auto":
+            raise ValueError(f'aio.{name}: "auto" is not resolved for this key; give a value')
+    if "thread_count" in data and "intra_op_parallelism" in data:
+        a, b = _json_numbers({"a": data["thread_count"], "b": data["intra_op_parallelism"]}).values()
+        if a != b:
+            raise ValueError(f"aio.thread_count {_show(data['thread_count'])} and aio.intra_op_parallelism "
+                             f"{_show(data['intra_op_parallelism'])} disagree (one setting, two names)")
     given = {k: data[k] for k in (*_AIO_DEFAULTS, "thread_count") if k in data}
     section = {**{k: v for k, v in _AIO_DEFAULTS.items() if k not in given}, **given}
     if "thread_count" in given:
@@ -557,11 +620,10 @@ def _read_aio(run: _Run, top: _Section) -> AioConfig:
             run.sources[f"aio.{name}"] = "default"
     if "thread_count" in data and "intra_op_parallelism" not in data:
         run.sources["aio.intra_op_parallelism"] = "aio.thread_count"
-    if s is not None:
-        s.taken.update((*_AIO_DEFAULTS, "thread_count"))
-        s.unless("use_gds", lambda v: v is False,
-                 "not used by tierflow: it reads NVMe through pinned host memory, not GPUDirect Storage")
-        s.finish()
+    s.taken.update((*_AIO_DEFAULTS, "thread_count"))
+    s.unless("use_gds", lambda v: v is False,
+             "not used by tierflow: it reads NVMe through pinned host memory, not GPUDirect Storage")
+    s.finish()
     return AioConfig(block_size=read["block_size"], queue_depth=read["queue_depth"],
                      intra_op_parallelism=read["threads"], single_submit=section["single_submit"])
 
@@ -579,23 +641,49 @@ def _read_precision(run: _Run, top: _Section) -> tuple[Fp16Config, Bf16Config]:
         initial_scale_power=f.get("initial_scale_power", _whole(0, 1023), 16),
         loss_scale_window=f.get("loss_scale_window", positive_when_dynamic, 1000),
         hysteresis=f.get("hysteresis", _whole(1), 2),
-        consecutive_hysteresis=f.get("consecutive_hysteresis", _flag, False),
         min_loss_scale=f.get("min_loss_scale", positive_when_dynamic, 1),
     )
-    f.finish(_UNUSED_PRECISION)
+    if "consecutive_hysteresis" in f:
+        _flag(f.key("consecutive_hysteresis"), f.data["consecutive_hysteresis"])
+    for key, (agrees, why) in known.FP16_REFUSED.items():
+        f.refuse(key, agrees, why)
+    f.finish(known.FP16_UNUSED)
     # DeepSpeed reads the older name bfloat16 only when bf16 is absent.
     name = "bfloat16" if "bfloat16" in top and "bf16" not in top else "bf16"
     if name == "bf16":
         top.unused("bfloat16", "not used: bf16 is given, and DeepSpeed reads bfloat16 only without it")
     b = top.section(name, auto_is_default=True) or _Section(run, name, {}, auto_is_default=True)
-    bf16 = Bf16Config(enabled=b.get("enabled", _flag, False, auto=unresolved))
-    b.finish(_UNUSED_PRECISION)
+    bf16 = Bf16Config(enabled=b.get("enabled", _flag, False, auto=unresolved),
+                      check_grad_overflow=b.get("check_grad_overflow", _flag, True,
+                                                default_note="default (DeepSpeed's since 0.19.3)"))
+    for key, (agrees, why) in known.BF16_REFUSED.items():
+        b.refuse(key, agrees, why)
+    b.finish(known.BF16_UNUSED)
     if name == "bfloat16":
-        source = run.sources.pop("bfloat16.enabled", None)
-        run.sources["bf16.enabled"] = "bfloat16.enabled, DeepSpeed's older name" + (f", {source}" if source else "")
+        for key in ("enabled", "check_grad_overflow"):
+            source = run.sources.pop(f"bfloat16.{key}", None)
+            run.sources[f"bf16.{key}"] = f"bfloat16.{key}, DeepSpeed's older name" + (f", {source}" if source else "")
     if fp16.enabled is True and bf16.enabled is True:
         raise ValueError(f"fp16.enabled and {name}.enabled: both true; a run trains in one of fp16 and bf16")
     return fp16, bf16
+
+
+def _read_data_types(run: _Run, top: _Section) -> None:
+    """``data_types``: the dtypes DeepSpeed accumulates gradients, holds
+    parameters and buffers in; tierflow's are fixed (fp32 gradients, the
+    training precision's parameters), so only those are accepted."""
+    if top.data.get("data_types", None) is None:
+        top.taken.add("data_types")
+        return
+    s = top.section("data_types", auto_is_default=False)
+    assert s is not None
+    s.refuse("grad_accum_dtype", lambda v: v is None or v in known.FP32_NAMES,
+             "tierflow accumulates the gradients in fp32")
+    s.refuse("param_dtype", lambda v: v is None, "tierflow computes in the training precision (bf16, fp16 or fp32)")
+    s.refuse("buffer_dtype", lambda v: v is None, "tierflow leaves the model's buffers in their own dtype")
+    s.refuse("keep_in_fp32_modules", lambda v: v == [],
+             "tierflow keeps no module in fp32 under bf16/fp16 training")
+    s.finish()
 
 
 def _read_tierflow(run: _Run, top: _Section) -> TierflowOptions:
@@ -610,13 +698,38 @@ def _read_tierflow(run: _Run, top: _Section) -> TierflowOptions:
         threads=s.get("threads", optional(_whole(1, 4096)), None),
         trace=s.get("trace", _flag, False),
         overlap_step=s.get("overlap_step", _flag, True),
+        strict_config=s.get("strict_config", _flag, True),
     )
-    # tierflow's own section has no foreign keys to carry over: a typo is an error.
+    # tierflow's own section has no foreign keys to carry over: a typo is an
+    # error, whatever strict_config says.
     for name in s.data:
         if name not in s.taken:
-            raise ValueError(f"tierflow.{name}: unknown key (device_memory, host_memory, nvme_dir, threads, trace, "
-                             "overlap_step)")
+            close = _nearest(name, sorted(s.taken))
+            hint = f"did you mean '{close}'?" if close else "the keys are " + ", ".join(
+                f.name for f in dataclasses.fields(TierflowOptions))
+            raise ValueError(f"tierflow.{name}: unknown key; {hint}")
     return options
+
+
+def _report_tierflow_stage(run: _Run, top: _Section, options: TierflowOptions, zero: ZeroConfig) -> None:
+    """Names the tierflow section's keys that nothing reads at this stage."""
+    given = top.data.get("tierflow") or {}
+    if zero.stage != 3:
+        for name in ("device_memory", "host_memory", "trace", "overlap_step"):
+            if name in given:
+                run.not_used.append(UnusedKey(f"tierflow.{name}", f"not used at stage {zero.stage}: the store, its "
+                                                                   "budgets, its trace and the overlapped step are "
+                                                                   "stage 3's"))
+    nvme = zero.offload_optimizer.device == "nvme" or (zero.stage == 3 and zero.offload_param.device == "nvme")
+    if "nvme_dir" in given and not nvme:
+        run.not_used.append(UnusedKey("tierflow.nvme_dir", "not used: nothing is offloaded to NVMe"))
+
+
+def _raise_strict_refusals(run: _Run) -> None:
+    """Raises the unknown keys and the contradicting settings found so far,
+    in one ValueError, unless tierflow.strict_config is false."""
+    if run.strict_refusals and run.strict_config:
+        raise ValueError("; ".join(refused for _, refused in run.strict_refusals) + f" ({_STRICT_HINT})")
 
 
 def _read_batch(run: _Run, top: _Section) -> tuple[Any, Any, Any]:
@@ -631,11 +744,12 @@ def _read_batch(run: _Run, top: _Section) -> tuple[Any, Any, Any]:
 def from_deepspeed(path_or_dict: str | os.PathLike[str] | Mapping[str, Any], *, model: Any = None,
                    optimizer: Any = None, strict: bool = False, world_size: int = 1) -> Config:
     """Reads a DeepSpeed config, a JSON file's path or a dict, exactly as
-    DeepSpeed users write it, into a :class:`Config`.
+    DeepSpeed users write it, into a :class:`Config`. It only reads: nothing
+    is made or changed, so a refused config leaves nothing behind.
 
     * ``model`` (a torch module) resolves the ``"auto"`` sizes as Hugging
-      Face's Trainer does from its hidden size ``h``: reduce_bucket_size
-      ``h²``, stage3_prefetch_bucket_size ``0.9·h²`` (rounded down) and
+      Face's Trainer does from its hidden size ``h``:
+      stage3_prefetch_bucket_size ``0.9·h²`` (rounded down) and
       stage3_param_persistence_threshold ``10·h`` at stage 3. ``h`` is
       ``model.config.hidden_size`` (or the largest of ``hidden_sizes``), or for
       a plain module the dimension most common among its 2-D weights.
@@ -650,10 +764,21 @@ def from_deepspeed(path_or_dict: str | os.PathLike[str] | Mapping[str, Any], *, 
     they stay :data:`AUTO`, listed in ``Config.unresolved``. Numbers may be
     written as strings ("1e-4") and whole numbers as floats (5e8).
 
-    Keys not acted on (unknown ones, and DeepSpeed's that tierflow leaves
-    alone, each with the reason) are listed in one
-    :class:`TierflowConfigWarning`, or with ``strict=True`` in one
-    ValueError. A bad value is a ValueError naming its dotted key and value.
+    Every key acts, or is named:
+
+    * a ValueError for a bad value, naming its dotted key and value; for a
+      value that would change what DeepSpeed trains and that tierflow does
+      not do (``prescale_gradients: true``, ``fp16_master_weights_and_grads:
+      true``, an offload device "none"...), saying why; and, unless
+      ``tierflow.strict_config`` is false, for a key tierflow does not know
+      (with the nearest known key: ``...offload_optimizer.devcie: unknown key;
+      did you mean 'device'?``) or a setting it does otherwise with the same
+      result (``overlap_comm: false``);
+    * one :class:`TierflowConfigWarning` listing the keys DeepSpeed has that
+      tierflow leaves alone (monitoring, profilers, collective tuning, a
+      stage's settings at another stage), each with the reason, and with
+      ``strict_config`` false those refused above by it; all also in
+      ``Config.not_used``. ``strict=True`` makes it a ValueError.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size: {world_size!r} is not a whole number ≥ 1")
@@ -662,19 +787,29 @@ def from_deepspeed(path_or_dict: str | os.PathLike[str] | Mapping[str, Any], *, 
                optimizer_facts(optimizer) if optimizer is not None else None, world_size)
     top = _Section(run, "", data, auto_is_default=False)
     options = _read_tierflow(run, top)
+    run.strict_config = options.strict_config
     batch, micro, steps = _read_batch(run, top)
-    clipping = top.get("gradient_clipping", _real(0.0), 1.0, auto=unresolved)
-    steps_per_print = top.get("steps_per_print", lambda k, v: None if v is None else _whole(1)(k, v), None)
-    wall_clock = top.get("wall_clock_breakdown", _flag, False)
+    clipping = top.get("gradient_clipping", _real(0.0), 1.0, auto=unresolved,
+                       default_note="default (DeepSpeed's since 0.19.3)")
+    top.unless("wall_clock_breakdown", lambda v: v is False, "not used by tierflow: DeepSpeed's timing printout "
+                                                             "(tierflow's is Engine.telemetry() and its trace)")
     optimizer_config = _read_optimizer(run, top)
     scheduler = _read_scheduler(run, top, optimizer_config)
     zero = _read_zero(run, top, options.nvme_dir)
+    _report_tierflow_stage(run, top, options, zero)
     aio = _read_aio(run, top)
     fp16, bf16 = _read_precision(run, top)
-    top.finish(_UNUSED_TOP)
+    _read_data_types(run, top)
+    for name, (agrees, why) in known.TOP_REFUSED.items():
+        top.refuse(name, agrees, why)
+    for name, why in known.ENABLED_REFUSED.items():
+        top.refuse_enabled(name, why)
+    top.finish(known.TOP_UNUSED)
     if run.mismatches:
         raise ValueError("the optimizer given disagrees with the config: " + "; ".join(run.mismatches) +
                          ' (write "auto" to take the optimizer\'s value)')
+    _raise_strict_refusals(run)
+    run.not_used.extend(reported for reported, _ in run.strict_refusals)
     if run.not_used:
         listed = "; ".join(map(str, run.not_used))
         message = f"{len(run.not_used)} key(s) of the DeepSpeed config not acted on: {listed}"
@@ -683,8 +818,7 @@ def from_deepspeed(path_or_dict: str | os.PathLike[str] | Mapping[str, Any], *, 
         warnings.warn(message, TierflowConfigWarning, stacklevel=2)
     return Config(
         train_batch_size=batch, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=steps,
-        world_size=world_size, gradient_clipping=clipping, steps_per_print=steps_per_print,
-        wall_clock_breakdown=wall_clock, optimizer=optimizer_config, scheduler=scheduler, zero=zero, aio=aio,
-        fp16=fp16, bf16=bf16, tierflow=options, model=run.model, unresolved=tuple(run.unresolved),
-        not_used=tuple(run.not_used), sources=dict(run.sources),
+        world_size=world_size, gradient_clipping=clipping, optimizer=optimizer_config, scheduler=scheduler,
+        zero=zero, aio=aio, fp16=fp16, bf16=bf16, tierflow=options, model=run.model,
+        unresolved=tuple(run.unresolved), not_used=tuple(run.not_used), sources=dict(run.sources),
     )

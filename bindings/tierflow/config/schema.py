@@ -108,25 +108,29 @@ _STAGE3_ALIASES = {
 @dataclass(frozen=True)
 class OffloadOptimizerConfig:
     """``zero_optimization.offload_optimizer``: where the optimizer state
-    lives ("none": on the device; "cpu": pinned host memory when pin_memory;
-    "nvme": files in nvme_path) and the NVMe staging buffers."""
+    lives — "cpu": host memory; "nvme": files in nvme_path, streamed through
+    ``buffer_count`` sub-groups of host memory at stage 3. tierflow steps the
+    optimizer on the CPU, so at stages 1-3 the state is never on the device:
+    :func:`from_deepspeed` refuses "none" there, and a config without the
+    section reads as "cpu". "none" is left only at stage 0 (ZeRO off)."""
 
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
-    pin_memory: bool = True
     buffer_count: int = 4
 
 
 @dataclass(frozen=True)
 class OffloadParamConfig:
     """``zero_optimization.offload_param`` (ZeRO-3): where parameters live
-    between uses, the NVMe staging buffers (buffer_count of buffer_size
-    elements) and how many parameter elements stay in host memory with nvme
-    (max_in_cpu)."""
+    between uses ("cpu": host memory; "nvme": files in nvme_path), the NVMe
+    staging buffers (buffer_count of buffer_size elements) and how many
+    parameter elements stay in host memory with nvme (max_in_cpu). tierflow's
+    stage 3 homes every parameter in host memory or on NVMe and fetches it to
+    the device for its module: :func:`from_deepspeed` refuses "none" at stage
+    3, and a config without the section reads as "cpu"."""
 
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
-    pin_memory: bool = True
     buffer_count: int = 5
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
@@ -156,19 +160,18 @@ class ZenflowConfig:
 @dataclass(frozen=True)
 class ZeroConfig:
     """``zero_optimization``: the ZeRO stage (0-3), where state is offloaded,
-    ZenFlow, and the bucket and residency sizes (in elements) with
-    DeepSpeed's defaults. ``overlap_comm`` defaults to true at stage 3 only,
-    as in DeepSpeed. The ``stage3_*`` values and ``offload_param`` matter at
-    stage 3 only."""
+    ZenFlow, and the stage-3 sizes (in elements) with DeepSpeed's defaults.
+    ``sub_group_size``, the ``stage3_*`` values and ``offload_param`` matter
+    at stage 3 only. ``stage3_gather_16bit_weights_on_model_save`` is kept
+    for what reads it beside the engine (Hugging Face's Accelerate decides by
+    it whether a stage-3 save asks the engine for the 16-bit weights);
+    tierflow's own ``save_16bit_model`` streams them at any stage."""
 
     stage: int = 0
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
     zenflow: ZenflowConfig | None = None
     sub_group_size: int = 1_000_000_000
-    reduce_bucket_size: int | _Auto = 500_000_000
-    contiguous_gradients: bool = True
-    overlap_comm: bool = False
     stage3_prefetch_bucket_size: int | _Auto = 50_000_000
     stage3_param_persistence_threshold: int | _Auto = 100_000
     stage3_max_live_parameters: int = 1_000_000_000
@@ -181,12 +184,26 @@ class AioConfig:
     """``aio``, as tierflow's I/O engine reads it: chunk size in bytes,
     requests in flight per worker, worker threads (``intra_op_parallelism``,
     or its older name ``thread_count``) and whether each request is submitted
-    on its own (``single_submit``). DeepSpeed's defaults."""
+    on its own (``single_submit``), with DeepSpeed's defaults for the keys a
+    given section leaves out. It configures the I/O engine of the ZeRO-3
+    store's NVMe tier (:meth:`engine_options`); a config without an ``aio``
+    section has ``Config.aio`` None, and the store keeps tierflow's own
+    engine defaults (``tierflow tune io`` measures better ones)."""
 
     block_size: int = 1_048_576
     queue_depth: int = 8
     intra_op_parallelism: int = 1
     single_submit: bool = False
+
+    def engine_options(self) -> dict[str, int]:
+        """The I/O engine's settings, as ``_core.Store(aio=...)`` takes them:
+        ``block_size``, ``queue_depth``, ``threads`` and, with
+        ``single_submit``, ``submit_batch`` 1 (each request handed to the
+        kernel on its own; else the engine's own batching)."""
+        out = {"block_size": self.block_size, "queue_depth": self.queue_depth, "threads": self.intra_op_parallelism}
+        if self.single_submit:
+            out["submit_batch"] = 1
+        return out
 
 
 @dataclass(frozen=True)
@@ -199,7 +216,6 @@ class Fp16Config:
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     hysteresis: int = 2
-    consecutive_hysteresis: bool = False
     min_loss_scale: int = 1
 
     @property
@@ -214,9 +230,12 @@ class Fp16Config:
 
 @dataclass(frozen=True)
 class Bf16Config:
-    """``bf16`` (or DeepSpeed's older ``bfloat16``)."""
+    """``bf16`` (or DeepSpeed's older ``bfloat16``). ``check_grad_overflow``
+    (DeepSpeed's default true since 0.19.3): a step whose gradients are not
+    all finite is skipped, as fp16 skips an overflow."""
 
     enabled: bool | _Auto = False
+    check_grad_overflow: bool = True
 
 
 @dataclass(frozen=True)
@@ -230,7 +249,10 @@ class TierflowOptions:
     the backward as soon as its gradient is final, when no clipping or fp16
     loss scale needs every gradient first (``overlap_step``, default true;
     false steps them all after the backward, with the same result). None:
-    tierflow decides."""
+    tierflow decides. ``strict_config`` (default true) refuses a key
+    tierflow does not know and a setting it does otherwise, whose value
+    changes nothing in what is trained (``overlap_comm: false``...); false
+    reports them in one warning instead."""
 
     device_memory: int | None = None
     host_memory: int | None = None
@@ -238,6 +260,7 @@ class TierflowOptions:
     threads: int | None = None
     trace: bool = False
     overlap_step: bool = True
+    strict_config: bool = True
 
 
 @dataclass(frozen=True)
@@ -264,12 +287,10 @@ class Config:
     gradient_accumulation_steps: int | _Auto
     world_size: int = 1
     gradient_clipping: float | _Auto = 1.0
-    steps_per_print: int | None = None
-    wall_clock_breakdown: bool = False
     optimizer: AdamConfig | MuonConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero: ZeroConfig = field(default_factory=ZeroConfig)
-    aio: AioConfig = field(default_factory=AioConfig)
+    aio: AioConfig | None = None
     fp16: Fp16Config = field(default_factory=Fp16Config)
     bf16: Bf16Config = field(default_factory=Bf16Config)
     tierflow: TierflowOptions = field(default_factory=TierflowOptions)
@@ -332,6 +353,8 @@ class Config:
                 z = self.zero.zenflow
                 lines.append(f"    {'':<{width}}schedule: {z.warm_up_steps} full warm-up steps, selection "
                              f"refreshed every {z.select_every} steps ({z.select_every_source})")
+        if self.aio is None:
+            lines.append("  aio: none given, so the NVMe tier keeps tierflow's own I/O engine defaults")
         lines.append("  unresolved: " + (", ".join(self.unresolved) if self.unresolved else "none"))
         if self.not_used:
             lines.append(f"  not acted on ({len(self.not_used)}):")
@@ -364,9 +387,6 @@ class Config:
             ("gradient_accumulation_steps", self.gradient_accumulation_steps),
             ("gradient_clipping", self.gradient_clipping),
         ]
-        if self.steps_per_print is not None:
-            e.append(("steps_per_print", self.steps_per_print))
-        e.append(("wall_clock_breakdown", self.wall_clock_breakdown))
         if self.optimizer is not None:
             e.append(("optimizer.type", self.optimizer.type))
             names = [f.name for f in dataclasses.fields(self.optimizer) if f.name != "type"]
@@ -383,23 +403,26 @@ class Config:
         zp = "zero_optimization"
         e.append((f"{zp}.stage", z.stage))
         if z.stage >= 1:
-            e += [(f"{zp}.offload_optimizer.{f.name}", getattr(z.offload_optimizer, f.name))
-                  for f in dataclasses.fields(z.offload_optimizer)
-                  if f.name != "nvme_path" or z.offload_optimizer.nvme_path is not None]
+            o = z.offload_optimizer
+            # The NVMe buffers are read only where they size something: stage 3's NVMe stream.
+            e += [(f"{zp}.offload_optimizer.{name}", getattr(o, name)) for name in ("device", "nvme_path", "buffer_count")
+                  if name == "device" or (o.device == "nvme" and (name == "nvme_path" or z.stage == 3))]
         if z.stage == 3:
-            e += [(f"{zp}.offload_param.{f.name}", getattr(z.offload_param, f.name))
-                  for f in dataclasses.fields(z.offload_param)
-                  if f.name != "nvme_path" or z.offload_param.nvme_path is not None]
+            p = z.offload_param
+            e += [(f"{zp}.offload_param.{f.name}", getattr(p, f.name)) for f in dataclasses.fields(p)
+                  if f.name == "device" or p.device == "nvme"]
         if z.zenflow is not None:
             e += [(f"{zp}.zenflow.{name}", getattr(z.zenflow, name)) for name in _ZENFLOW_KEYS
                   if name != "steps_per_epoch" or z.zenflow.steps_per_epoch is not None]
-        e += [(f"{zp}.{name}", getattr(z, name)) for name in
-              ("sub_group_size", "reduce_bucket_size", "contiguous_gradients", "overlap_comm")]
         if z.stage == 3:
+            e.append((f"{zp}.sub_group_size", z.sub_group_size))
             e += [(f"{zp}.{name}", getattr(z, name)) for name in _STAGE3_KEYS]
-        e += [(f"aio.{f.name}", getattr(self.aio, f.name)) for f in dataclasses.fields(self.aio)]
+        if self.aio is not None:
+            e += [(f"aio.{f.name}", getattr(self.aio, f.name)) for f in dataclasses.fields(self.aio)]
         e += [(f"fp16.{f.name}", getattr(self.fp16, f.name)) for f in dataclasses.fields(self.fp16)]
-        e.append(("bf16.enabled", self.bf16.enabled))
+        e += [(f"bf16.{f.name}", getattr(self.bf16, f.name)) for f in dataclasses.fields(self.bf16)]
+        # The tierflow section's values that differ from its defaults.
+        defaults = TierflowOptions()
         e += [(f"tierflow.{f.name}", getattr(self.tierflow, f.name)) for f in dataclasses.fields(self.tierflow)
-              if getattr(self.tierflow, f.name) not in (None, False)]
+              if getattr(self.tierflow, f.name) != getattr(defaults, f.name)]
         return e

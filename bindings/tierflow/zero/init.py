@@ -108,7 +108,7 @@ def _plan_without_model(config: Config) -> Plan:
                 minimum_device=0, minimum_device_reason="", minimum_host=0, minimum_host_reason="",
                 sources={"device": "tierflow.device_memory" if t.device_memory is not None else "zero.Init's default",
                          "host": "tierflow.host_memory" if t.host_memory is not None else "zero.Init's default"},
-                prefetch_share=share)
+                prefetch_share=share, aio=config.aio.engine_options() if config.aio is not None else None)
 
 
 class Init:

@@ -181,7 +181,8 @@ class ParamStore:
         self.store = _core.Store(plan.host_budget, nvme_dir=nvme_dir,
                                  nvme_budget=(1 << 60) if needs_nvme else 0,
                                  device_budget=tier_budget, device_backend=device_backend,
-                                 trace=trace, single_holder=True, **files)
+                                 trace=trace, single_holder=True,
+                                 aio=plan.aio if needs_nvme else None, **files)
         self.nvme_dir = nvme_dir
         self.scheduler = _core.PrefetchScheduler(self.store, budget_share=plan.prefetch_share,
                                                  evict_distance=plan.evict_distance,

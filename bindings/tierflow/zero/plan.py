@@ -138,6 +138,8 @@ class Plan:
     zenflow_bytes: tuple[int, int, int] | None = None
     # ZenFlow's state on NVMe (offload_optimizer.device "nvme"), else None.
     zenflow_nvme_bytes: int | None = None
+    # The NVMe tier's I/O engine (the config's aio section), None: its own defaults.
+    aio: dict[str, int] | None = None
 
     def rows(self) -> list[tuple[str, str, str, str]]:
         """(what, where, bytes, note) for the table :func:`estimate_memory` prints."""
@@ -376,7 +378,8 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
                 minimum_device=minimum_device, minimum_device_reason=device_reason,
                 minimum_host=minimum_host, minimum_host_reason=host_reason, sources=sources,
                 prefetch_share=prefetch_share, evict_distance=evict_distance, world_size=world_size,
-                zenflow_bytes=zenflow_bytes, zenflow_nvme_bytes=zenflow_nvme)
+                zenflow_bytes=zenflow_bytes, zenflow_nvme_bytes=zenflow_nvme,
+                aio=config.aio.engine_options() if config.aio is not None else None)
 
 
 
