@@ -4,7 +4,17 @@
 
 #include <nanobind/nanobind.h>
 
+#include "tierflow/io/engine.hpp"
+
 namespace tierflow::python {
+
+// The I/O engine of an NVMe tier from a dict of block_size, queue_depth,
+// threads and submit_batch (each optional: the engine's default), as a
+// DeepSpeed config's aio section sets them; another key, or a value that is
+// not a whole number in the engine's range, is a user_error naming aio.<key>.
+// And back: the dict of a config. (store.cpp)
+io::engine_config parse_engine_options(const nanobind::dict& options);
+nanobind::dict engine_options_of(const io::engine_config& config);
 
 // Maps the tierflow::error family onto Python's exceptions, once for every
 // function of the module (see errors.cpp for the mapping).

@@ -118,9 +118,9 @@ struct step_entry {
 class offloaded_adam : public offloaded_state {
  public:
   offloaded_adam(const std::string& nvme_dir, const std::variant<std::uint64_t, std::string>& host_memory_given,
-                 std::uint64_t file_size)
+                 std::uint64_t file_size, const std::optional<nb::dict>& aio)
       : offloaded_state(nvme_dir, host_memory_given, file_size, key_names,
-                        " (four sub-groups of a page per state buffer)") {}
+                        " (four sub-groups of a page per state buffer)", aio) {}
 
   // Registers a parameter of `elements` and makes its state's blocks on NVMe.
   std::size_t add_param(std::uint64_t elements, bool has_master, bool amsgrad) {
@@ -400,11 +400,14 @@ void bind_offloaded_adam(nb::module_& m) {
       "directory `nvme_dir` (made 0700 when missing; its parent must exist), streamed through\n"
       "a pinned host budget of `host_memory` bytes (rounded down to 4 KiB, at least 64 KiB) in\n"
       "sub-groups of a quarter of it; files are preallocated `file_size` bytes at a time and\n"
-      "removed by close() or when the object is freed. Raises TierflowError (an OSError with\n"
-      "errno and filename) when the directory cannot be made or written, or the disk is full.");
-  c.def(nb::init<const std::string&, const std::variant<std::uint64_t, std::string>&, std::uint64_t>(),
+      "removed by close() or when the object is freed. `aio` sets the files' I/O engine (a dict\n"
+      "of block_size, queue_depth, threads and submit_batch, as Store's). Raises TierflowError\n"
+      "(an OSError with errno and filename) when the directory cannot be made or written, or\n"
+      "the disk is full; ValueError for a bad aio value, naming aio.<key>.");
+  c.def(nb::init<const std::string&, const std::variant<std::uint64_t, std::string>&, std::uint64_t,
+                 const std::optional<nb::dict>&>(),
            "nvme_dir"_a, "host_memory"_a,
-           "file_size"_a = 256ull << 20)
+           "file_size"_a = 256ull << 20, "aio"_a = nb::none())
       .def("add_param", &offloaded_adam::add_param, "elements"_a, "master"_a, "amsgrad"_a,
            "Registers a parameter of `elements` (master: it is bf16/fp16 and keeps an fp32\n"
            "master) and preallocates its state's blocks; returns its slot. ENOSPC raises\n"

@@ -34,12 +34,13 @@ std::uint64_t host_memory_of(const std::variant<std::uint64_t, std::string>& giv
 }
 
 std::unique_ptr<block_store> make_offload_store(const std::string& nvme_dir, std::uint64_t host_memory,
-                                                std::uint64_t file_size) {
+                                                std::uint64_t file_size, const io::engine_config& io) {
   tiers::store_config config;
   config.host = tiers::host_tier_options{.budget = host_memory};
   config.nvme = tiers::nvme_tier_options{.directory = nvme_dir,
                                          .budget = unbounded_nvme,
-                                         .file_size = std::max<std::uint64_t>(aligned_size(file_size), block_alignment)};
+                                         .file_size = std::max<std::uint64_t>(aligned_size(file_size), block_alignment),
+                                         .io = io};
   config.store.trace = false;  // a trace grows with every transfer: not for a training run's life
   return tiers::make_store(std::move(config));
 }
@@ -47,11 +48,12 @@ std::unique_ptr<block_store> make_offload_store(const std::string& nvme_dir, std
 offloaded_state::offloaded_state(const std::string& nvme_dir,
                                  const std::variant<std::uint64_t, std::string>& host_memory_given,
                                  std::uint64_t file_size, std::vector<std::string> key_names,
-                                 const std::string& minimum_note) {
+                                 const std::string& minimum_note, const std::optional<nb::dict>& aio) {
   host_memory_ = host_memory_of(host_memory_given, minimum_host_memory, minimum_note);
+  if (aio) io_ = parse_engine_options(*aio);
   const std::uint64_t sub_group = host_memory_ / sub_groups_in_budget / block_alignment * block_alignment;
   nb::gil_scoped_release unlocked;  // maps and touches the host budget, opens the directory
-  store_ = make_offload_store(nvme_dir, host_memory_, file_size);
+  store_ = make_offload_store(nvme_dir, host_memory_, file_size, io_);
   state_ = std::make_unique<streamed_state>(*store_, std::move(key_names),
                                             streamed_state_options{.sub_group_bytes = sub_group});
   nvme_dir_ = nvme_dir;

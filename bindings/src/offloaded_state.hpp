@@ -12,14 +12,17 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <variant>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include "bindings.hpp"
 #include "tierflow/core/store.hpp"
 #include "tierflow/core/streamed_state.hpp"
 
@@ -42,8 +45,9 @@ std::uint64_t host_memory_of(const std::variant<std::uint64_t, std::string>& giv
 // an NVMe tier of files of `file_size` in `nvme_dir`, bounded by the
 // filesystem's free space alone (ENOSPC names the file), without a trace.
 // Maps and touches the budget: call it with the GIL released.
+// `io` is the NVMe tier's I/O engine (the config's aio section).
 std::unique_ptr<block_store> make_offload_store(const std::string& nvme_dir, std::uint64_t host_memory,
-                                                std::uint64_t file_size);
+                                                std::uint64_t file_size, const io::engine_config& io = {});
 // Every block of `store` into a crash-safe checkpoint in `directory`
 // (tiers/checkpoint.hpp), read through its host tier; returns its
 // generation. No block may be written meanwhile. Call it with the GIL released.
@@ -61,10 +65,12 @@ class offloaded_state {
   // size flags read it, or a byte count; rounded down to a page, sub-groups
   // of a quarter of it) with files of `file_size`, and the state of
   // `key_names` over it. A budget below the minimum is refused with
-  // `minimum_note` ending the message. Releases the GIL while it maps the
-  // budget and opens the directory.
+  // `minimum_note` ending the message; `aio` (parse_engine_options) sets the
+  // NVMe tier's I/O engine. Releases the GIL while it maps the budget and
+  // opens the directory.
   offloaded_state(const std::string& nvme_dir, const std::variant<std::uint64_t, std::string>& host_memory_given,
-                  std::uint64_t file_size, std::vector<std::string> key_names, const std::string& minimum_note);
+                  std::uint64_t file_size, std::vector<std::string> key_names, const std::string& minimum_note,
+                  const std::optional<nanobind::dict>& aio = std::nullopt);
   // The store waits for the transfers in flight, then removes its files.
   virtual ~offloaded_state();
   offloaded_state(const offloaded_state&) = delete;
@@ -87,6 +93,8 @@ class offloaded_state {
   std::uint64_t sub_group_bytes();
   std::uint64_t nvme_bytes();
   const std::string& nvme_dir() const noexcept { return nvme_dir_; }
+  // The I/O engine the NVMe tier was built with (engine_options_of).
+  nanobind::dict io_config() const { return engine_options_of(io_); }
   bool closed();
   std::size_t slot_count();
 
@@ -122,6 +130,7 @@ class offloaded_state {
   std::size_t attempts_ = 0;
   std::uint64_t host_memory_ = 0;
   std::string nvme_dir_;
+  io::engine_config io_;
 };
 
 // The methods and properties of offloaded_state, with their docstrings, onto
@@ -142,6 +151,9 @@ void def_offloaded_state(nanobind::class_<T>& c) {
       .def_prop_ro("host_memory", &T::host_memory)
       .def_prop_ro("nvme_bytes", &T::nvme_bytes)
       .def_prop_ro("nvme_dir", &T::nvme_dir)
+      .def("io_config", &T::io_config,
+           "The I/O engine the state's NVMe tier was built with: {'block_size', 'queue_depth',\n"
+           "'threads', 'submit_batch'}.")
       .def_prop_ro("closed", &T::closed)
       .def_prop_ro("slot_count", &T::slot_count);
 }

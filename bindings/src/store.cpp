@@ -55,15 +55,8 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace tierflow::python {
-namespace {
 
-constexpr std::uint64_t default_file_size = 256ull << 20;  // nvme_tier_options' default
-
-// The NVMe tier's I/O engine from a dict of block_size, queue_depth, threads
-// and submit_batch (each optional: the engine's default), as a DeepSpeed
-// config's aio section gives them (tierflow.config's AioConfig.engine_options).
-// A key of another name, a value that is not a whole number or one outside
-// the engine's range is a user_error naming aio.<key>.
+// bindings.hpp's contract; the dict is tierflow.config's AioConfig.engine_options().
 io::engine_config parse_engine_options(const nb::dict& options) {
   io::engine_config c;
   for (auto [key, value] : options) {
@@ -106,6 +99,10 @@ nb::dict engine_options_of(const io::engine_config& c) {
   out["submit_batch"] = c.submit_batch;
   return out;
 }
+
+namespace {
+
+constexpr std::uint64_t default_file_size = 256ull << 20;  // nvme_tier_options' default
 
 access parse_access(const std::string& text) {
   for (access a : {access::read, access::write, access::overwrite})

@@ -128,6 +128,7 @@ struct host_placement {
   std::optional<std::string> dir;
   std::optional<size_given> host_memory;
   std::uint64_t file_size = 0;
+  io::engine_config io{};  // the files' I/O engine (the config's aio section)
 };
 
 class zenflow_engine {
@@ -135,9 +136,12 @@ class zenflow_engine {
   zenflow_engine(std::vector<any_array> params, std::vector<std::string> names, nb::handle config,
                  std::vector<std::size_t> groups, std::vector<bool> muon, std::optional<int> threads,
                  std::optional<std::vector<any_array>> masters, std::uintptr_t stream,
-                 std::optional<std::string> nvme_dir, std::optional<size_given> host_memory, std::uint64_t file_size)
+                 std::optional<std::string> nvme_dir, std::optional<size_given> host_memory, std::uint64_t file_size,
+                 const std::optional<nb::dict>& aio)
       : params_(std::move(params)) {
-    const host_placement placement{std::move(nvme_dir), std::move(host_memory), file_size};
+    if (!nvme_dir && aio) throw user_error("aio: the I/O options are for state on NVMe; give nvme_dir too");
+    const host_placement placement{std::move(nvme_dir), std::move(host_memory), file_size,
+                                   aio ? parse_engine_options(*aio) : io::engine_config{}};
     if (!placement.dir && placement.host_memory)
       throw user_error("host_memory: the host budget is for state on NVMe; give nvme_dir too");
     const std::size_t n = params_.size();
@@ -319,6 +323,10 @@ class zenflow_engine {
   // With the state on NVMe: its directory, the host budget, the bytes of its
   // files' blocks and the store's counters (None otherwise).
   std::optional<std::string> nvme_dir() const { return store_ ? std::optional(nvme_dir_) : std::nullopt; }
+  // The I/O engine of the host state's files, or None without them.
+  std::optional<nb::dict> io_config() const {
+    return store_ ? std::optional(engine_options_of(io_)) : std::nullopt;
+  }
   std::optional<std::uint64_t> host_memory() const {
     return store_ ? std::optional(host_memory_) : std::nullopt;
   }
@@ -509,7 +517,8 @@ class zenflow_engine {
                                   " (ZenFlow's state on NVMe streams through host memory)");
     nvme_dir_ = *placement.dir;
     nb::gil_scoped_release unlocked;  // maps the budget, opens the directory, writes the initial state
-    store_ = make_offload_store(nvme_dir_, host_memory_, placement.file_size);
+    io_ = placement.io;
+    store_ = make_offload_store(nvme_dir_, host_memory_, placement.file_size, io_);
     host_ = std::make_unique<zenflow::streamed_host_state>(*store_, weights_, rule_->state_count(), initial);
   }
 
@@ -614,6 +623,7 @@ class zenflow_engine {
   std::unique_ptr<optim::zenflow_rule> rule_;
   std::unique_ptr<block_store> store_;  // the host state's, on NVMe; outlives host_
   std::string nvme_dir_;
+  io::engine_config io_;  // the NVMe tier's, with nvme_dir
   std::uint64_t host_memory_ = 0;
   std::unique_ptr<zenflow::host_state> host_;
   std::unique_ptr<zenflow::cpu_device> cpu_;
@@ -660,10 +670,11 @@ void bind_zenflow(nb::module_& m) {
       "Bad arguments, bad zenflow keys or values raise ValueError naming them.")
       .def(nb::init<std::vector<any_array>, std::vector<std::string>, nb::handle, std::vector<std::size_t>,
                     std::vector<bool>, std::optional<int>, std::optional<std::vector<any_array>>, std::uintptr_t,
-                    std::optional<std::string>, std::optional<size_given>, std::uint64_t>(),
+                    std::optional<std::string>, std::optional<size_given>, std::uint64_t,
+                    const std::optional<nb::dict>&>(),
            "params"_a, "names"_a, "config"_a, "groups"_a, "muon"_a, nb::kw_only(), "threads"_a.none() = nb::none(),
            "masters"_a.none() = nb::none(), "stream"_a = 0, "nvme_dir"_a.none() = nb::none(),
-           "host_memory"_a.none() = nb::none(), "file_size"_a = 0,
+           "host_memory"_a.none() = nb::none(), "file_size"_a = 0, "aio"_a.none() = nb::none(),
            "`config` holds DeepSpeed's zero_optimization.zenflow keys (and importance_norm,\n"
            "steps_per_epoch). groups[i] is parameter i's group (set_group); muon[i] marks a 2-D\n"
            "parameter for Muon. threads: the CPU step's threads (default: the optimizer's share of\n"
@@ -671,7 +682,8 @@ void bind_zenflow(nb::module_& m) {
            "and `stream` (the trainer's cudaStream_t as an int). nvme_dir puts the host's master\n"
            "values and state in files there (of file_size bytes), streamed a weight at a time\n"
            "through host_memory bytes of pinned memory (bytes or '2G'; at least the largest\n"
-           "matrix's master and state; default: four of those, or the whole state if smaller).")
+           "matrix's master and state; default: four of those, or the whole state if smaller);\n"
+           "aio sets the files' I/O engine (a dict as Store's).")
       .def("set_group", &zenflow_engine::set_group, "group"_a, nb::kw_only(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
            "weight_decay"_a, "decoupled"_a, "muon_momentum"_a = 0.95, "muon_nesterov"_a = true,
            "muon_adjust_lr_fn"_a = "match_rms_adamw", "muon_ns_steps"_a = 5,
@@ -694,6 +706,9 @@ void bind_zenflow(nb::module_& m) {
            "steps run, CPU steps, refreshes, time waited for the CPU step and spent in it.")
       .def("schedule", &zenflow_engine::schedule, "The resolved schedule, the CPU split and where the host state is.")
       .def_prop_ro("nvme_dir", &zenflow_engine::nvme_dir, "The host state's directory (on NVMe), else None.")
+      .def("io_config", &zenflow_engine::io_config,
+           "The I/O engine of the host state's files ({'block_size', 'queue_depth', 'threads',\n"
+           "'submit_batch'}), else None.")
       .def_prop_ro("host_memory", &zenflow_engine::host_memory,
                    "The host budget the state streams through, in bytes (on NVMe), else None.")
       .def_prop_ro("nvme_bytes", &zenflow_engine::nvme_bytes, "The bytes of the state's blocks on NVMe, else None.")

@@ -755,6 +755,35 @@ def test_a_bad_aio_value_is_refused_naming_it_before_anything_is_made(tmp_path):
     assert _core.Store(PAGE).io_config() is None
 
 
+def test_the_aio_section_reaches_the_optimizers_nvme_files(tmp_path):
+    aio = {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 2}
+    expected = {"block_size": 262144, "queue_depth": 4, "threads": 2, "submit_batch": 8}
+    config = {**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "aio": aio,
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme",
+                                                                     "nvme_path": str(tmp_path / "opt")}}}
+    engine, optimizer, _, _ = tierflow.initialize(model=torch.nn.Linear(64, 64), config=config)
+    try:
+        assert optimizer._nvme.io_config() == expected
+    finally:
+        engine.close()
+    # The optimizers take it themselves, and keep it through a copy.
+    p = [torch.nn.Parameter(torch.randn(64, 64))]
+    adamw = AdamW(p, offload="nvme", nvme_dir=tmp_path / "adamw", aio=expected)
+    p[0].grad = torch.randn(64, 64)
+    adamw.step()
+    assert copy.deepcopy(adamw)._nvme.io_config() == adamw._nvme.io_config() == expected
+    zen = tierflow.torch.optim.ZenFlow([torch.nn.Parameter(torch.randn(64, 64))], zenflow={"topk_ratio": 0.1},
+                                       offload="nvme", nvme_dir=tmp_path / "zen", aio={"queue_depth": 4})
+    for q in zen.param_groups[0]["params"]:
+        q.grad = torch.randn_like(q)
+    zen.step()
+    assert zen._engine.io_config()["queue_depth"] == 4
+    with pytest.raises(ValueError, match=r"aio is used only with offload='nvme'"):
+        AdamW(p, aio=expected)
+    with pytest.raises(ValueError, match=r"aio.queue_depth: 0 is not in 1..4096"):
+        AdamW(p, offload="nvme", nvme_dir=tmp_path / "bad", aio={"queue_depth": 0})
+
+
 # ---- DeepSpeed's defaults -----------------------------------------------------------------------
 
 def test_the_defaults_are_deepspeeds():

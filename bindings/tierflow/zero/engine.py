@@ -284,7 +284,7 @@ class Engine:
     def _optimizer_nvme(self) -> dict[str, Any]:
         """The optimizer's placement keywords with ``offload_optimizer.device``
         "nvme" (its directory made, this rank's own; the plan's stream budget
-        at stage 3), else none."""
+        at stage 3; the aio section's I/O engine for its files), else none."""
         z = self.config.zero
         if z.offload_optimizer.device != "nvme":
             return {}
@@ -294,6 +294,8 @@ class Engine:
         os.makedirs(out["nvme_dir"], mode=0o700, exist_ok=True)
         if self.plan is not None and self.plan.optimizer_host_budget is not None:
             out["host_memory"] = self.plan.optimizer_host_budget
+        if self.config.aio is not None:
+            out["aio"] = self.config.aio.engine_options()
         return out
 
     # ---- the training loop --------------------------------------------------------------------

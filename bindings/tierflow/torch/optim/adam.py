@@ -277,13 +277,17 @@ def _parse_state_dtype(state_dtype: Any) -> torch.dtype:
                          "torch.bfloat16)") from None
 
 
-def _check_offload(offload: Any, nvme_dir: Any, host_memory: Any, minimum: int = _MIN_HOST_MEMORY) -> None:
-    """Refuses a bad placement by name: offload, nvme_dir and host_memory
-    (bytes, at least ``minimum``, or a size the extension reads)."""
+def _check_offload(offload: Any, nvme_dir: Any, host_memory: Any, minimum: int = _MIN_HOST_MEMORY,
+                   aio: Any = None) -> None:
+    """Refuses a bad placement by name: offload, nvme_dir, host_memory
+    (bytes, at least ``minimum``, or a size the extension reads) and aio (a
+    dict, whose keys and values the extension checks)."""
     if offload not in _OFFLOADS:
         raise ValueError(f"Invalid offload: {offload!r} (one of 'cpu', 'nvme')")
+    if aio is not None and not isinstance(aio, dict):
+        raise ValueError(f"Invalid aio: {aio!r} (a dict of block_size, queue_depth, threads, submit_batch, or None)")
     if offload == "cpu":
-        for name, value in (("nvme_dir", nvme_dir), ("host_memory", host_memory)):
+        for name, value in (("nvme_dir", nvme_dir), ("host_memory", host_memory), ("aio", aio)):
             if value is not None:
                 raise ValueError(f"{name} is used only with offload='nvme' (got offload='cpu')")
         return
@@ -313,13 +317,15 @@ class _NvmeState:
     ``_fresh_chunks()`` (what save_state keeps of the store's blocks)."""
 
     _NVME_CLASS: Any  # the extension class of the store, set by each optimizer
+    _aio: dict[str, int] | None = None  # the files' I/O engine (Adam's aio=), None: its defaults
 
     def _open_nvme(self, nvme_dir: str, host_memory: int | str | None) -> None:
         """Makes the store and preallocates every parameter's state, with
         _nvme_sizes' defaults for the budget and the file size."""
         total = sum(self._nvme_bytes(p, g) for g in self.param_groups for p in g["params"])
         host_memory, file_size = _nvme_sizes(total, host_memory)
-        self._nvme = self._NVME_CLASS(nvme_dir, host_memory, file_size)
+        io = {} if self._aio is None else {"aio": self._aio}
+        self._nvme = self._NVME_CLASS(nvme_dir, host_memory, file_size, **io)
         for group in self.param_groups:
             self._register(group)
 
@@ -364,6 +370,7 @@ class _NvmeState:
         again, and the state itself: a copy or a pickle carries it."""
         if self._nvme is not None:
             own["nvme_dir"], own["host_memory"] = self._nvme.nvme_dir, self._nvme.host_memory
+            own["aio"] = self._aio
             own["nvme_state"] = {p: self._read_state(p, g) for g in self.param_groups
                                  for p in g["params"] if p in self.state}
 
@@ -372,6 +379,7 @@ class _NvmeState:
         (self.offload set first), and writes the state into it."""
         self._nvme, self._slots = None, {}
         if self.offload == "nvme":
+            self._aio = own.get("aio")
             self._open_nvme(own["nvme_dir"], own["host_memory"])
             for p, saved in own["nvme_state"].items():
                 self._write_state(p, saved)
@@ -468,6 +476,11 @@ class Adam(_NvmeState, Optimizer):
       Default: the state's size, capped at 256 MiB (four 64 MiB sub-groups).
       Larger sub-groups mean larger, faster I/O; a smaller budget only slows
       the step.
+    * ``aio``: with ``offload="nvme"``, the I/O engine of the state's files, a
+      dict of ``block_size``, ``queue_depth``, ``threads`` and
+      ``submit_batch`` (each optional), as a DeepSpeed config's ``aio``
+      section sets them (``Config.aio.engine_options()``); None: the
+      engine's own defaults.
     * ``threads``: the CPU threads of the step; default
       ``torch.get_num_threads()``. The step runs between torch's operations,
       while torch's intra-op threads wait, so the two pools take turns on the
@@ -593,9 +606,10 @@ class Adam(_NvmeState, Optimizer):
         threads: int | None = None,
         skip_nonfinite: bool = False,
         state_dtype: str | torch.dtype = "fp32",
+        aio: dict[str, int] | None = None,
     ) -> None:
         _check_hyper_parameters(lr, betas, eps, weight_decay, foreach, capturable)
-        _check_offload(offload, nvme_dir, host_memory)
+        _check_offload(offload, nvme_dir, host_memory, aio=aio)
         moment_dtype = _parse_state_dtype(state_dtype)
         if moment_dtype != torch.float32 and offload == "nvme":
             raise ValueError(f"state_dtype={state_dtype!r} with offload='nvme': the state streamed "
@@ -605,6 +619,7 @@ class Adam(_NvmeState, Optimizer):
         if not isinstance(skip_nonfinite, bool):
             raise ValueError(f"Invalid skip_nonfinite: {skip_nonfinite!r} (True or False)")
         self.offload = offload
+        self._aio = aio
         self.threads = threads if threads is not None else torch.get_num_threads()
         self.skip_nonfinite = skip_nonfinite
         self.state_dtype = moment_dtype
@@ -1014,7 +1029,7 @@ class Adam(_NvmeState, Optimizer):
 class AdamW(Adam):
     """torch.optim.AdamW (decoupled weight decay, default 1e-2) with its step in
     tierflow's fused CPU kernel; everything else (``offload``, ``nvme_dir``,
-    ``host_memory``, ``threads``, ``skip_nonfinite``, ``state_dtype``) as :class:`Adam`."""
+    ``host_memory``, ``threads``, ``skip_nonfinite``, ``state_dtype``, ``aio``) as :class:`Adam`."""
 
     def __init__(
         self,
@@ -1036,13 +1051,14 @@ class AdamW(Adam):
         threads: int | None = None,
         skip_nonfinite: bool = False,
         state_dtype: str | torch.dtype = "fp32",
+        aio: dict[str, int] | None = None,
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad,
             foreach=foreach, maximize=maximize, capturable=capturable,
             differentiable=differentiable, fused=fused, decoupled_weight_decay=True,
             offload=offload, nvme_dir=nvme_dir, host_memory=host_memory, threads=threads,
-            skip_nonfinite=skip_nonfinite, state_dtype=state_dtype,
+            skip_nonfinite=skip_nonfinite, state_dtype=state_dtype, aio=aio,
         )
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -134,7 +134,8 @@ class ZenFlow(Optimizer):
       of those, or the whole state if smaller). The selected columns' state
       and the window's summed gradients stay in memory. The files are removed
       when the optimizer is freed or :meth:`close` d; :meth:`telemetry`
-      gives the store's counters.
+      gives the store's counters. ``aio`` sets their I/O engine, as
+      :class:`~tierflow.torch.optim.Adam`'s does.
 
     :attr:`schedule` is the resolved schedule and the CPU split, known from
     the construction on.
@@ -212,10 +213,11 @@ class ZenFlow(Optimizer):
         offload: Literal["cpu", "nvme"] = "cpu",
         nvme_dir: str | os.PathLike | None = None,
         host_memory: int | str | None = None,
+        aio: dict[str, int] | None = None,
     ) -> None:
         _check_hyper_parameters(lr, betas, eps, weight_decay, foreach, capturable)
         # The least that works depends on the largest matrix: the engine says it, naming the matrix.
-        _check_offload(offload, nvme_dir, host_memory, minimum=_PAGE)
+        _check_offload(offload, nvme_dir, host_memory, minimum=_PAGE, aio=aio)
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise ValueError(f"Invalid threads: {threads!r} (a positive int, or None)")
         if not 0.0 <= muon_momentum < 1.0:
@@ -230,6 +232,7 @@ class ZenFlow(Optimizer):
         self.offload = offload
         self._nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)
         self._host_memory = host_memory
+        self._aio = aio
         self._closed = False
         self.muon_momentum = float(muon_momentum)
         self.muon_adjust_lr_fn = muon_adjust_lr_fn
@@ -489,7 +492,7 @@ class ZenFlow(Optimizer):
         state["state"] = defaultdict(dict, {params[pid]: entry for pid, entry in moments.items()})
         state["tierflow"] = {
             "zenflow_config": self.zenflow_config, "threads": self.threads, "offload": self.offload,
-            "nvme_dir": self._nvme_dir, "host_memory": self._host_memory,
+            "nvme_dir": self._nvme_dir, "host_memory": self._host_memory, "aio": self._aio,
             "muon_momentum": self.muon_momentum, "muon_adjust_lr_fn": self.muon_adjust_lr_fn,
             "muon": [id(p) in self._muon_ids for p in self._all_params()], "zen": zen,
         }
@@ -509,6 +512,7 @@ class ZenFlow(Optimizer):
         self.zenflow_config, self.threads = own["zenflow_config"], own["threads"]
         self.offload, self._nvme_dir = own.get("offload", "cpu"), own.get("nvme_dir")
         self._host_memory, self._closed = own.get("host_memory"), False
+        self._aio = own.get("aio")
         self.muon_momentum, self.muon_adjust_lr_fn = own["muon_momentum"], own["muon_adjust_lr_fn"]
         self.schedule = _core.zenflow_schedule(self.zenflow_config)
         params = self._all_params()
@@ -605,7 +609,7 @@ class ZenFlow(Optimizer):
             [p.detach() for p in params], names, self.zenflow_config,
             [self._group_of[id(p)] for p in params], [id(p) in self._muon_ids for p in params],
             threads=self.threads, masters=masters, stream=stream,
-            nvme_dir=self._nvme_dir, host_memory=self._host_memory, file_size=file_size,
+            nvme_dir=self._nvme_dir, host_memory=self._host_memory, file_size=file_size, aio=self._aio,
         )
         ids = {id(p) for p in params}
         if any(pid in ids for pid in pending):
