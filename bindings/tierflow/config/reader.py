@@ -149,13 +149,19 @@ class _Section:
         if known.enabled(self.data[name]):
             raise ValueError(f"{self.key(name)}.enabled: true is not supported: {why}")
 
-    def contradicts(self, name: str, value: Any, agrees: Callable[[Any], bool], what: str) -> None:
-        """``value`` (``name``'s, converted) describes what tierflow does
-        when ``agrees``; else it asks for another way of doing the same, which
-        tierflow does not have (``what`` says what it does): refused, or
-        reported with ``tierflow.strict_config`` false."""
+    def contradicts(self, name: str, convert: Callable[[str, Any], Any], agrees: Callable[[Any], bool],
+                    what: str) -> None:
+        """``name``'s value (checked by ``convert``) describes what tierflow
+        does when ``agrees``; else it asks for another way of doing the same,
+        which tierflow does not have (``what`` says what it does): refused,
+        or reported with ``tierflow.strict_config`` false."""
         self.taken.add(name)
-        if name in self.data and not agrees(value):
+        if name not in self.data:
+            return
+        raw = self.data[name]
+        if isinstance(raw, str) and raw.strip() == "auto" and self.auto_is_default:
+            return  # DeepSpeed's default, which is what tierflow does
+        if not agrees(convert(self.key(name), raw)):
             path = self.key(name)
             self.run.strict_refusals.append((UnusedKey(path, f"not used by tierflow: {what}"),
                                              f"{path}: {_show(self.data[name])} is not what tierflow does: {what}"))
@@ -376,7 +382,7 @@ def _read_offload(run: _Run, z: _Section, name: str, stage: int, nvme_dir: str |
     device = s.get("device", _choice("none", "cpu", "nvme"), "none")
     defaults = cls()
     values: dict[str, Any] = {"device": device}
-    s.contradicts("pin_memory", s.get("pin_memory", _flag, True), lambda v: v is True, _PINNED)
+    s.contradicts("pin_memory", _flag, lambda v: v is True, _PINNED)
     # The NVMe buffers size something only where NVMe is streamed through them.
     if device == "nvme" and (param or stage == 3):
         values["buffer_count"] = s.get("buffer_count", _whole(1), defaults.buffer_count)
@@ -543,10 +549,10 @@ def _read_zero(run: _Run, top: _Section, nvme_dir: str | None) -> ZeroConfig:
     # produced, during the backward; at stages 0-2 one process keeps them where
     # autograd leaves them until the optimizer's step reads them.
     if stage == 3:
-        z.contradicts("overlap_comm", z.get("overlap_comm", lambda k, v: v if v is None else _flag(k, v), True),
-                      lambda v: v in (None, True),
-                      "its stage 3 reduces and moves each gradient during the backward, as it is produced, as true says")
-        z.contradicts("contiguous_gradients", z.get("contiguous_gradients", _flag, True), lambda v: v is True,
+        z.contradicts("overlap_comm", lambda k, v: v if v is None else _flag(k, v), lambda v: v in (None, True),
+                      "its stage 3 reduces and moves each gradient during the backward, as it is produced, "
+                      "as true says")
+        z.contradicts("contiguous_gradients", _flag, lambda v: v is True,
                       "its stage 3 copies each gradient into a contiguous host block of its own as it is "
                       "produced, as true says")
     else:

@@ -405,7 +405,8 @@ class Config:
         if z.stage >= 1:
             o = z.offload_optimizer
             # The NVMe buffers are read only where they size something: stage 3's NVMe stream.
-            e += [(f"{zp}.offload_optimizer.{name}", getattr(o, name)) for name in ("device", "nvme_path", "buffer_count")
+            e += [(f"{zp}.offload_optimizer.{name}", getattr(o, name))
+                  for name in ("device", "nvme_path", "buffer_count")
                   if name == "device" or (o.device == "nvme" and (name == "nvme_path" or z.stage == 3))]
         if z.stage == 3:
             p = z.offload_param
