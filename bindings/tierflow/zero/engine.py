@@ -34,7 +34,7 @@ from tierflow.zero import checkpoint as _checkpoint
 from tierflow.zero import copies
 from tierflow.zero.comm import Group, current_group
 from tierflow.zero.init import mark, store_of
-from tierflow.zero.hooks import ModuleHooks, ParameterAccess, saved_tensor_hooks
+from tierflow.zero.hooks import ModuleHooks
 from tierflow.zero.overlap import OverlappedStep, overlappable
 from tierflow.zero.partition import ParamStore, Partition
 from tierflow.zero.plan import Plan, format_bytes, links_of, make_plan, parameters_of, tiers_of
@@ -213,7 +213,7 @@ class Engine:
                 mark(p, params)
             else:
                 part.name, part.persistent = name, info.persistent
-        self.hooks = ModuleHooks(model, params, self._on_grad)
+        self.hooks = ModuleHooks(model, params, self._on_grad, self._model_forward)
 
     def _check_optimizer(self) -> None:
         opt = self.config.optimizer
@@ -312,21 +312,23 @@ class Engine:
                 if not (self.module.training and torch.is_grad_enabled()):
                     self._finish_optimizer()  # an evaluation reads the newest values
                 return self.module(*args, **kwargs)
-            training = self.module.training and torch.is_grad_enabled()
-            if training:
-                self.params.begin_iteration()
-            else:  # an evaluation reads the newest values
-                self._finish_optimizer()
-            access = ParameterAccess(self.params, keep=True)
-            try:
-                with access, saved_tensor_hooks(self.params):
-                    return self.module(*args, **kwargs)
-            finally:
-                access.release_kept()
-                if not training:
-                    self.params.release_all(keep_persistent=self.params.in_iteration)
+            return self.module(*args, **kwargs)  # the hooks' _model_forward brackets it
         finally:
             self._busy += time.perf_counter() - start
+
+    def _model_forward(self, starting: bool) -> None:
+        """A forward of the whole model starts or ends (stage 3), through
+        :meth:`forward` or the model called directly (``engine.module(x)``,
+        ``generate()``): a training forward opens the scheduler's iteration,
+        an evaluation reads the newest values and gives the device back."""
+        training = self.module.training and torch.is_grad_enabled()
+        if starting:
+            if training:
+                self.params.begin_iteration()
+            else:
+                self._finish_optimizer()
+        elif not training:
+            self.params.release_all(keep_persistent=self.params.in_iteration)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of ``loss`` / gradient_accumulation_steps (× the loss scale
@@ -339,9 +341,12 @@ class Engine:
                 scale *= self.scaler.scale
             self._need_norm = self.is_gradient_accumulation_boundary() and (
                 self.gradient_clipping > 0 or self.scaler is not None)
-            (loss * scale).backward(retain_graph=retain_graph)
-            if self.params is not None:
-                self.params.release_all(keep_persistent=True)
+            try:
+                (loss * scale).backward(retain_graph=retain_graph)
+            finally:
+                if self.params is not None:
+                    self.params.release_all(keep_persistent=True)
+                    self.params.settle()
             return loss
         finally:
             self._busy += time.perf_counter() - start

@@ -6,7 +6,7 @@ the module's own ``__init__`` returns, so a model whose weights exceed host
 memory is built one module at a time: the most that is ever in RAM is the
 module being built (and the host tier's budget). What a parent module does to
 its children's parameters afterwards (``self.apply(self._init_weights)``, a
-tied weight) reaches the store through :class:`~tierflow.zero.hooks.ParameterAccess`,
+tied weight) reaches the store through :class:`~tierflow.zero.access.ParameterAccess`,
 active for the whole context.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Iterable
 import torch
 
 from tierflow.config import AUTO, Config, from_deepspeed
-from tierflow.zero.hooks import ParameterAccess
+from tierflow.zero.access import ParameterAccess
 from tierflow.zero.partition import ParamStore
 from tierflow.zero.plan import PAGE, Plan, format_bytes, pages, scheduler_settings
 
@@ -249,13 +249,13 @@ class GatheredParameters:
                     store.release(part)
                     lease, view = store.host_view(part, "write" if self.write else "read")
                     self.held.append((store, part, lease))
-                    part.param.data = view
+                    store.hold(part, view)
         except BaseException:
             self.__exit__(None, None, None)
             raise
 
     def __exit__(self, *exc: Any) -> None:
         for store, part, lease in self.held:
-            part.param.data = part.placeholder
+            store.unhold(part)
             store.end_host(lease, dirty=self.write)
         self.held.clear()

@@ -2,11 +2,15 @@
 
 Each parameter's compute copy is one block, homed in host memory or on NVMe;
 its fp32 gradient is another. Between uses the parameter's ``.data`` is a
-placeholder of its shape that holds one element (so ``numel()``, ``shape`` and
-the optimizer's bookkeeping still see the real parameter). :meth:`fetch`
+placeholder that holds nothing (``numel()`` 0, as DeepSpeed's; the real shape
+is ``ds_shape``, the element count ``ds_numel``), and the parameter is a
+:class:`StoredParameter`, which refuses any computation with its values while
+they are away, naming the parameter and the way to gather it: a use the hooks
+missed fails loudly instead of computing with wrong values. :meth:`fetch`
 leases the block into the device tier and points ``.data`` at the lease's
 memory — a torch tensor over the tier's bytes, no copy — and :meth:`release`
-ends the lease and puts the placeholder back.
+ends the lease and puts the placeholder back (on a GPU, once the kernels
+queued on the compute stream that read it have finished).
 
 During a training iteration (the micro-batches up to an optimizer step) every
 lease goes through the core's prefetch scheduler, so the order of the first
@@ -35,10 +39,12 @@ leases.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -50,7 +56,83 @@ from tierflow.zero.comm import Group
 from tierflow.zero.copies import copy_into, norm_sq
 from tierflow.zero.plan import PAGE, Plan, format_bytes, pages
 
-__all__ = ["ParamStore", "Partition"]
+__all__ = ["ParamStore", "Partition", "StoredParameter", "NotGatheredError"]
+
+
+class NotGatheredError(RuntimeError):
+    """A computation read a parameter whose values are in tierflow's store,
+    not in the parameter (outside its module's forward, a
+    :class:`~tierflow.zero.GatheredParameters` block or ``zero.Init``)."""
+
+
+# What may be asked of a parameter whose values are away: its metadata, its
+# hooks and the detach state_dict() makes (its hook puts the values in).
+# Anything else computes with the values, and is refused.
+_METADATA_METHODS = frozenset((
+    "size", "dim", "ndimension", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
+    "detach", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__repr__",
+    "__format__", "__hash__", "untyped_storage", "storage_offset", "stride", "data_ptr", "is_contiguous",
+    "get_device", "type", "_is_view", "__torch_function__", "share_memory_", "is_shared", "is_pinned",
+))
+
+
+def _values_needed(func: object) -> bool:
+    """Whether calling ``func`` on a tensor reads or writes its values."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):  # a property: metadata, .data, .grad
+        return False
+    return name not in _METADATA_METHODS
+
+
+class StoredParameter(torch.nn.Parameter):
+    """A parameter whose values live in tierflow's store (the class a plain
+    ``nn.Parameter`` takes when the store adopts it). While its values are
+    away, a computation with it raises :class:`NotGatheredError` naming it;
+    its shape is ``ds_shape``. Results of operations on it are plain tensors,
+    as they are for ``nn.Parameter``."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if _values_needed(func):
+            for a in _tensors_in(args, kwargs):
+                if type(a) is StoredParameter:
+                    ref = a.__dict__.get("_tierflow_part")
+                    part = ref() if ref is not None else None
+                    if part is None:
+                        raise NotGatheredError(
+                            f"parameter {a.__dict__.get('ds_name', '')!r}: its values went with the tierflow store "
+                            "that was closed (the engine's close()); read the model before closing it")
+                    if not part.available and part.numel:
+                        raise NotGatheredError(
+                            f"parameter '{part.name}' ({list(part.shape)}) is not gathered: tierflow keeps its "
+                            f"values in the store outside its module's forward. Read or write it inside "
+                            f"`with tierflow.zero.GatheredParameters(param)`, or, if a module's forward uses it "
+                            f"without owning it, call `tierflow.zero.register_external_parameter(module, param)`")
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+
+
+def _tensors_in(args: tuple, kwargs: dict | None) -> Iterator[torch.Tensor]:
+    for group in (args, (kwargs or {}).values()):
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                yield a
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor):
+                        yield b
+
+
+def data_of(param: torch.Tensor) -> torch.Tensor:
+    """``param.data``, past every torch function mode."""
+    with torch._C.DisableTorchFunction():
+        return param.data
+
+
+def set_data(param: torch.Tensor, value: torch.Tensor) -> None:
+    """``param.data = value``, past every torch function mode and
+    :class:`StoredParameter`'s check (the store's own moves)."""
+    with torch._C.DisableTorchFunction():
+        param.data = value
 
 
 class Partition:
@@ -58,7 +140,7 @@ class Partition:
 
     __slots__ = ("param", "name", "index", "shape", "dtype", "numel", "nbytes", "block", "grad_block",
                  "persistent", "lease", "gathered", "grad_empty", "placeholder", "requires_grad",
-                 "shard_numel", "sharded", "step_param", "step_placeholder")
+                 "shard_numel", "sharded", "step_param", "step_placeholder", "held", "__weakref__")
 
     def __init__(self, param: torch.nn.Parameter, name: str, index: int, persistent: bool,
                  shard_numel: int | None = None) -> None:
@@ -76,6 +158,7 @@ class Partition:
         self.lease: Any = None      # the device lease while resident (one rank)
         self.gathered: torch.Tensor | None = None  # the full values while resident (several ranks)
         self.grad_empty = True      # no gradient accumulated since the last step
+        self.held = 0               # host views given as .data now (GatheredParameters, zero.Init's writes)
         self.placeholder = _placeholder(param)
         # Elements of this rank's blocks: the whole parameter with one rank;
         # with several, its shard (flat).
@@ -84,8 +167,9 @@ class Partition:
         # What the optimizer steps: a parameter of its own over the host copy
         # (of the shard's shape), never the model's, which autograd and the
         # hooks touch meanwhile when the step overlaps the backward.
-        self.step_placeholder = (torch.zeros(1, dtype=param.dtype, device=param.device).expand(shard_numel)
-                                 if self.sharded else _placeholder(param))
+        one = torch.zeros(1, dtype=param.dtype, device=param.device)
+        self.step_placeholder = one.expand(shard_numel) if self.sharded else \
+            one.expand(param.shape) if param.dim() else one.reshape(())
         self.step_param = torch.nn.Parameter(self.step_placeholder, requires_grad=param.requires_grad)
 
     @property
@@ -94,7 +178,13 @@ class Partition:
 
     @property
     def resident(self) -> bool:
+        """Whether its values are on the device as ``.data``."""
         return self.lease is not None or self.gathered is not None
+
+    @property
+    def available(self) -> bool:
+        """Whether ``.data`` holds its values now (on the device, or a host view)."""
+        return self.lease is not None or self.gathered is not None or self.held > 0
 
     def __repr__(self) -> str:
         return f"Partition({self.name!r}, {list(self.shape)}, {self.dtype}, resident={self.resident})"
@@ -113,10 +203,10 @@ def _no_room(error: BaseException) -> bool:
 
 
 def _placeholder(param: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``param``'s shape and dtype that holds one element: what
-    ``.data`` is while the parameter lives in the store."""
-    one = torch.zeros(1, dtype=param.dtype, device=param.device)
-    return one.expand(param.shape) if param.dim() else one.reshape(())
+    """What ``.data`` is while the parameter lives in the store: an empty
+    tensor of its dtype (a storage of its own, so that a view of it names
+    the parameter)."""
+    return torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 @dataclass
@@ -195,6 +285,7 @@ class ParamStore:
         self._resident_bytes = 0
         self.gathered_high_water = 0  # bytes of gathered parameters held at once, at most
         self._scheduled: set = set()  # leases taken through the scheduler (released through it)
+        self._retiring: collections.deque = collections.deque()  # (event, device lease) released on a GPU
         self.in_iteration = False
         self.closed = False
 
@@ -229,7 +320,12 @@ class ParamStore:
             lease.release(dirty=True)
         self.parts.append(part)
         self._by_id[id(param)] = part
-        param.data = part.placeholder
+        set_data(param, part.placeholder)
+        if type(param) is torch.nn.Parameter:  # a subclass of the user's keeps its class, and the hooks alone
+            param.__class__ = StoredParameter
+        # DeepSpeed's names for what the placeholder no longer tells.
+        param.__dict__.update(ds_shape=torch.Size(part.shape), ds_numel=part.numel, ds_id=part.index,
+                              ds_name=name, _tierflow_part=weakref.ref(part))
         return part
 
     # ---- views --------------------------------------------------------------------------------
@@ -276,13 +372,18 @@ class ParamStore:
                 f"{held}); give at least {self._resident_bytes + need} bytes"
                 + (f" to the gathered parameters (the budget less {format_bytes(self.plan.device_budget - self.gather_budget)} "
                    "for the shards on their way)" if part.sharded else ""))
+        self._reap(wait=False)
         try:
             lease = self._lease(part.block, "device", "read")
         except TierflowError as e:
             # The copies this step holds left no piece large enough: release
             # those nothing uses now and try once more (a copy in use cannot move).
-            if not _no_room(e) or not self._release_idle():
+            if not _no_room(e):
                 raise
+            idle = self._release_idle()
+            if not idle and not self._retiring:
+                raise
+            self._reap(wait=True)
             lease = self._lease(part.block, "device", "read")
         if part.sharded:
             try:
@@ -294,22 +395,65 @@ class ParamStore:
         else:
             view = self._view(lease, part)
             part.lease = lease
-        part.param.data = view
+        set_data(part.param, view)
         self._resident[view.untyped_storage().data_ptr()] = part
         self._resident_bytes += need
         self.gathered_high_water = max(self.gathered_high_water, self._resident_bytes)
 
     def release(self, part: Partition) -> None:
-        """Ends ``part``'s residency: ``.data`` is the placeholder again."""
+        """Ends ``part``'s residency: ``.data`` is the placeholder again. On a
+        GPU the device copy goes back to the store only once the kernels
+        queued so far on the compute stream — those that read it — have
+        finished (an event recorded now; :meth:`_reap`)."""
         if not part.resident:
             return
         lease = part.lease
-        self._resident.pop(part.param.data.untyped_storage().data_ptr(), None)
-        part.param.data = part.placeholder
+        self._resident.pop(data_of(part.param).untyped_storage().data_ptr(), None)
+        set_data(part.param, self._away(part))
         part.lease = None
-        part.gathered = None
+        part.gathered = None  # torch's caching allocator orders its reuse on the stream
         self._resident_bytes -= pages(part.nbytes)
-        if lease is not None:
+        if lease is None:
+            return
+        if self.device.type == "cuda":
+            # The store's copies and frees run on their own streams, and its
+            # release requires the kernels that used the memory to be done.
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._retiring.append((event, lease))
+            self._reap(wait=False)
+        else:  # the host stand-in: every computation on it has returned
+            self._unlease(lease, dirty=False)
+
+    @staticmethod
+    def _away(part: Partition) -> torch.Tensor:
+        """What ``.data`` becomes as ``part`` goes back to the store. When a
+        backward may follow (grad mode on, or inside one), a trainable
+        parameter's gradient is still to come, and torch's AccumulateGrad lays
+        a new gradient out by the parameter's sizes and strides: it gets a
+        stand-in of its shape that holds one element (its values are never
+        read — what autograd saved is fetched again — and any computation
+        with the parameter is still refused while it is away), until
+        :meth:`settle` after the backward. Otherwise the empty placeholder."""
+        if part.requires_grad and (torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1):
+            return part.step_placeholder if not part.sharded else \
+                torch.zeros(1, dtype=part.dtype, device=part.placeholder.device).expand(part.shape)
+        return part.placeholder
+
+    def settle(self) -> None:
+        """After a backward: every parameter away in the store holds the empty
+        placeholder again (see :meth:`_away`)."""
+        for part in self.parts:
+            if not part.available:
+                set_data(part.param, part.placeholder)
+
+    def _reap(self, *, wait: bool) -> None:
+        """Ends the device leases :meth:`release` left to the kernels still
+        reading them: those whose kernels are done, or (``wait``) all of them,
+        waiting for their kernels first."""
+        while self._retiring and (wait or self._retiring[0][0].query()):
+            event, lease = self._retiring.popleft()
+            event.synchronize()
             self._unlease(lease, dirty=False)
 
     def _release_idle(self) -> bool:
@@ -338,6 +482,8 @@ class ParamStore:
         for part in list(self._resident.values()):
             if not (keep_persistent and part.persistent):
                 self.release(part)
+        if not keep_persistent:
+            self._reap(wait=True)
 
     @property
     def gathered_bytes(self) -> int:
@@ -544,6 +690,16 @@ class ParamStore:
         full = torch.empty(part.shape, dtype=part.dtype) if mode == "overwrite" else self.read(part)
         return _Gathered(part, full, mode), full
 
+    def hold(self, part: Partition, view: torch.Tensor) -> None:
+        """Makes ``view`` (a :meth:`host_view`) ``part``'s ``.data`` until :meth:`unhold`."""
+        part.held += 1
+        set_data(part.param, view)
+
+    def unhold(self, part: Partition) -> None:
+        """Ends :meth:`hold`: the placeholder is ``.data`` again."""
+        part.held -= 1
+        set_data(part.param, part.placeholder)
+
     def end_host(self, lease: Any, dirty: bool) -> None:
         if not isinstance(lease, _Gathered):
             self._unlease(lease, dirty)
@@ -588,7 +744,11 @@ class ParamStore:
         that could not start leaves the model as it found it)."""
         self.release_all(keep_persistent=False)
         for part in self.parts:
-            part.param.data = self.read(part)
+            set_data(part.param, self.read(part))
+            if type(part.param) is StoredParameter:
+                part.param.__class__ = torch.nn.Parameter
+            for key in ("ds_shape", "ds_numel", "ds_id", "ds_name", "_tierflow_part"):
+                part.param.__dict__.pop(key, None)
 
     def close(self) -> None:
         """Ends every lease and closes the store (its files are removed). The

@@ -210,12 +210,23 @@ def _named_params(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Param
     return out
 
 
+def numel_of(p: torch.Tensor) -> int:
+    """A parameter's element count, also when it is in a store (its ``.data``
+    then holds nothing; ``ds_numel`` tells)."""
+    return int(p.__dict__.get("ds_numel", p.numel()))
+
+
+def shape_of(p: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's shape, also when it is in a store (``ds_shape``)."""
+    return tuple(p.__dict__.get("ds_shape", p.shape))
+
+
 def _module_working_sets(model: torch.nn.Module, persistent: set[int], element_bytes: int) -> tuple[int, str]:
     """The largest set of (non-persistent) parameters one module holds
     directly, in aligned bytes, and that module's name."""
     best, where = 0, "no module has parameters"
     for module_name, module in model.named_modules():
-        size = sum(pages(p.numel() * element_bytes) for p in module.parameters(recurse=False)
+        size = sum(pages(numel_of(p) * element_bytes) for p in module.parameters(recurse=False)
                    if id(p) not in persistent)
         if size > best:
             best, where = size, f"module '{module_name or '<root>'}'"
@@ -259,7 +270,7 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
     sizes = sizes or {}
     infos = []
     for name, module_name, p in named:
-        n = sizes.get(name, p.numel())
+        n = sizes.get(name, numel_of(p))
         infos.append(ParamInfo(name, n, module_name, n <= threshold))
     persistent = {id(p) for (_, _, p), info in zip(named, infos) if info.persistent}
 
@@ -278,7 +289,7 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
         if world_size > 1:
             raise ValueError(f"zero_optimization.zenflow: ZenFlow at stage 3 runs on one process, not {world_size} "
                              "(its column selection needs whole gradients, which each rank holds a shard of)")
-        shapes = [tuple(p.shape) for _, _, p in named if p.requires_grad]
+        shapes = [shape_of(p) for _, _, p in named if p.requires_grad]
         zenflow_bytes = zenflow_host_bytes(shapes, zf.topk_ratio, zf.overlap_step, nvme=optimizer_offload == "nvme")
         state_bytes = sum(zenflow_bytes)
         if optimizer_offload == "nvme":
