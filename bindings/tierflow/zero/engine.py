@@ -352,9 +352,8 @@ class Engine:
             self._busy += time.perf_counter() - start
 
     def _on_grad(self, part: Partition, grad: torch.Tensor) -> None:
-        if self._overlap is not None and self.is_gradient_accumulation_boundary():
-            self._overlap.submit(part, grad)  # stepped now, while the backward goes on
-            return
+        if self._overlap is not None and self._overlap.take(part, grad, self.is_gradient_accumulation_boundary()):
+            return  # its last gradient of the boundary: stepped now, while the backward goes on
         need = getattr(self, "_need_norm", False)
         sq, finite = self.params.accumulate_grad(part, grad, norm=need)
         if need:
@@ -374,6 +373,8 @@ class Engine:
         try:
             boundary = self.is_gradient_accumulation_boundary()
             self.micro_steps += 1
+            if self._overlap is not None:
+                self._overlap.end_micro_batch()
             if not boundary:
                 return
             if self.params is not None:
@@ -436,8 +437,11 @@ class Engine:
                     parts = list(params.step_parts())
                     while parts:
                         with params.stepping(parts, factor) as batch:
-                            self.optimizer.step()
+                            self.optimizer.step_parameters([part.step_param for part in batch])
                         parts = parts[len(batch):]
+                    # Once a step: the optimizer's own step hooks and counters
+                    # (no gradient is left, so it updates nothing).
+                    self.optimizer.step()
         finally:
             params.clear_grads()
             params.end_iteration()

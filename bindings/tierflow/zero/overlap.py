@@ -1,20 +1,38 @@
 """The optimizer step overlapped with the backward (stage 3).
 
-At the accumulation boundary, a parameter's gradient is final as soon as its
-post-accumulate-grad hook fires: nothing later in the backward changes it.
+At the accumulation boundary, a parameter's gradient is final once the
+backward has delivered the last of its contributions: its last
+post-accumulate-grad hook of the micro-batch. A micro-batch may fire a
+parameter's hook several times — two ``engine.backward`` calls before one
+``step()``, reentrant activation checkpointing (each segment's backward is a
+backward of its own), a weight shared across such segments — so the step
+cannot start at the first hook. The hooks of each micro-batch are counted;
+at the boundary a parameter is stepped at the hook whose number is the count
+of the micro-batch before, and every earlier one accumulates in the store as
+usual. The first micro-batch has no count before it, and a parameter whose
+count changed between micro-batches is not overlapped again: both step after
+the backward, in :meth:`~tierflow.zero.engine.Engine.step`, with the same
+result. A hook after a parameter's overlapped step (a backward that took a
+path it never took before) raises, naming the parameter, rather than
+stepping twice on parts of one gradient.
+
 When no global figure must be known first — no gradient clipping (the global
-norm) and no fp16 loss scale (the overflow check) — the parameter can be
-stepped right then, on a thread of its own, while the backward goes on with
-the layers below. The optimizer's state streams from NVMe meanwhile, and a
-gradient that one micro-batch made whole never goes to the store at all.
+norm) and no fp16 loss scale (the overflow check) — a parameter is stepped on
+a thread of its own, while the backward goes on with the layers below. The
+optimizer's state streams from NVMe meanwhile, and a gradient that one
+micro-batch made whole never goes to the store at all. Each step is of its
+own parameter alone (``step_parameters``): its cost is the parameter's, not
+the model's; the optimizer's ``step()`` runs once after the last, for its
+hooks and counters.
 
 One step is in flight at a time: the next gradient's hook waits for it, ends
 its leases and starts its own, so the host tier holds one parameter and one
 gradient for the step beside what the backward holds, as the synchronous
 step does. Every lease is taken and ended on the training thread (the store
-is a single-holder store); the thread runs only the optimizer, whose state is
-its own. The update is the synchronous step's, bit for bit: each parameter's
-AdamW step depends on its own state and gradient alone, whatever the order.
+is a single-holder store); the thread runs only the gradient's last copy and
+sum and the optimizer, whose state is its own. The update is the synchronous
+step's, bit for bit: each parameter's AdamW step depends on its own state and
+gradient alone, whatever the order.
 """
 
 from __future__ import annotations
@@ -31,28 +49,63 @@ __all__ = ["OverlappedStep"]
 
 class OverlappedStep:
     """Steps ``optimizer`` one parameter at a time on a thread, fed from the
-    gradient hooks of the boundary micro-batch."""
+    gradient hooks of the boundary micro-batch (see the module's docstring)."""
 
     def __init__(self, params: ParamStore, optimizer: torch.optim.Optimizer) -> None:
         self.params = params
         self.optimizer = optimizer
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierflow-step")
         self._inflight: tuple[StepLease, Future] | None = None
+        self._hooks: dict[int, int] = {}              # partition -> gradient hooks this micro-batch
+        self._expected: dict[int, int] | None = None  # the same, of the micro-batch before
+        self._unsteady: set[int] = set()              # partitions whose count changed: never overlapped
+        self._stepped: set[int] = set()               # stepped during this boundary's backward
+        self.overlapped = 0                           # parameters stepped during a backward, in all
 
-    def submit(self, part: Partition, grad: torch.Tensor) -> None:
+    def take(self, part: Partition, grad: torch.Tensor, boundary: bool) -> bool:
+        """Counts a gradient of ``part``; when ``boundary`` and this is its
+        last of the micro-batch, starts its step with it and returns True;
+        otherwise returns False and the caller accumulates ``grad``."""
+        i = part.index
+        n = self._hooks[i] = self._hooks.get(i, 0) + 1
+        if i in self._stepped:
+            self._unsteady.add(i)
+            raise RuntimeError(
+                f"tierflow: parameter '{part.name}' got another gradient after its optimizer step in this backward "
+                f"(gradient {n}; the micro-batch before gave {n - 1}): the backward took a path it had not taken "
+                "before, and the step used part of the gradient. Give tierflow.overlap_step false for a model "
+                "whose backward changes from one micro-batch to the next")
+        if not boundary or self._expected is None or i in self._unsteady or self._expected.get(i) != n:
+            return False
+        self._submit(part, grad)
+        self._stepped.add(i)
+        return True
+
+    def end_micro_batch(self) -> None:
+        """At each ``step()``: the counts of the micro-batch that ended are
+        the expectation for the next; a partition whose count changed is not
+        overlapped again."""
+        if self._expected is not None:
+            for i in self._expected.keys() | self._hooks.keys():
+                if self._expected.get(i) != self._hooks.get(i):
+                    self._unsteady.add(i)
+        self._expected, self._hooks = self._hooks, {}
+        self._stepped.clear()
+
+    def _submit(self, part: Partition, grad: torch.Tensor) -> None:
         """Waits for the step in flight, then starts ``part``'s with ``grad``
         (this micro-batch's gradient)."""
         self.wait()
         lease = self.params.lease_for_step(part, grad)
         self._inflight = (lease, self._pool.submit(self._run, lease))
+        self.overlapped += 1
 
     def _run(self, lease: StepLease) -> None:
         p = lease.part.step_param
         p.data = lease.value
-        p.grad = lease.grad
         try:
-            with torch.no_grad():
-                self.optimizer.step()
+            p.grad = lease.gradient()
+            self.optimizer.step_parameters([p])
         finally:
             p.grad = None
             p.data = lease.part.step_placeholder

@@ -609,35 +609,51 @@ class ParamStore:
 
     def lease_for_step(self, part: Partition, grad: torch.Tensor) -> "StepLease":
         """At the accumulation boundary, for a step that overlaps the rest of
-        the backward: ``part``'s final gradient — ``grad`` (this micro-batch's;
-        reduce-scattered with several ranks) added to what its block holds, or
-        ``grad`` itself when the block holds nothing, which then never goes to
-        the store — and its host copy leased for writing. End it with
+        the backward: ``part``'s host copy leased for writing, and what makes
+        its final gradient — ``grad`` (this micro-batch's; reduce-scattered
+        with several ranks) added to what its block holds, or ``grad`` itself
+        when the block holds nothing, which then never goes to the store.
+        Nothing here waits for the gradient's bytes: a GPU gradient comes down
+        on a copy stream of its own into pinned memory, and the stepping
+        thread adds and waits (:meth:`StepLease.gradient`). End it with
         :meth:`end_step`."""
         self.release(part)
         if part.sharded:
             grad = self.group.reduce_scatter_mean(grad.reshape(-1), part.shard_numel)
+        grad, ready = self._download(grad.detach())
         grad_lease = None
-        if part.grad_empty:
-            final = grad.detach()
-        else:
-            grad_lease = self._lease(part.grad_block, "host", "write")
-            try:
-                final = self._grad_local(grad_lease, part)
-                with torch.no_grad():
-                    final.add_(grad.to(device=final.device, dtype=torch.float32).reshape(final.shape))
-            except BaseException:
-                self._unlease(grad_lease, dirty=False)
-                raise
         try:
+            into = None
+            if not part.grad_empty:
+                grad_lease = self._lease(part.grad_block, "host", "write")
+                into = self._grad_local(grad_lease, part)
             param_lease = self._lease(part.block, "host", "write")
         except BaseException:
             if grad_lease is not None:
                 self._unlease(grad_lease, dirty=False)
             raise
-        final = final.to(device="cpu", dtype=part.dtype)  # as _Stepping gives it (a no-op when it is so)
         part.grad_empty = True  # consumed by this step
-        return StepLease(part, param_lease, grad_lease, self._local(param_lease, part), final)
+        return StepLease(part, param_lease, grad_lease, self._local(param_lease, part), grad, into, ready)
+
+    def _download(self, grad: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """``grad`` in host memory, and the event its copy completes with
+        (None when it is there already). A device gradient is copied on the
+        store's gradient stream, ordered after the kernels that made it, into
+        pinned memory; the caching allocator keeps its device memory until
+        the copy is done (record_stream)."""
+        if not grad.is_cuda:
+            return grad, None
+        if getattr(self, "_grad_stream", None) is None:
+            self._grad_stream = torch.cuda.Stream(grad.device)
+        stream = self._grad_stream
+        stream.wait_stream(torch.cuda.current_stream(grad.device))
+        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(grad, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        grad.record_stream(stream)
+        return host, ready
 
     def end_step(self, lease: "StepLease", ok: bool) -> None:
         """Ends :meth:`lease_for_step`'s leases: the host copy is the newest
@@ -768,13 +784,29 @@ class ParamStore:
 
 @dataclass
 class StepLease:
-    """A parameter's host copy and final gradient, leased for one optimizer step."""
+    """A parameter's host copy, leased for one optimizer step, and what makes
+    its final gradient (:meth:`gradient`)."""
 
     part: Partition
     param_lease: Any
     grad_lease: Any
     value: torch.Tensor
-    grad: torch.Tensor
+    grad: torch.Tensor                 # this micro-batch's gradient, in host memory once ``ready``
+    into: torch.Tensor | None = None   # the block holding the earlier micro-batches' sum, if any
+    ready: Any = None                  # the event ending the gradient's copy from the device
+
+    def gradient(self) -> torch.Tensor:
+        """The final gradient, of the parameter's dtype (as _Stepping gives
+        it): waits for its copy, adds it to the earlier ones. Runs on the
+        stepping thread, off the autograd thread."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        grad = self.grad
+        if self.into is not None:
+            with torch.no_grad():
+                self.into.add_(grad.to(torch.float32).reshape(self.into.shape))
+            grad = self.into
+        return grad.to(dtype=self.part.dtype).reshape(self.value.shape)
 
 
 class _Stepping:

@@ -625,6 +625,7 @@ class Adam(_NvmeState, Optimizer):
         self.state_dtype = moment_dtype
         self.skipped_steps = 0
         self.last_step_skipped = False
+        self._skipped_since_step: set[Tensor] = set()
         self._executor = _core.Executor(self.threads)
         self._nvme: _core.OffloadedAdam | None = None
         self._slots: dict[Tensor, int] = {}
@@ -979,6 +980,40 @@ class Adam(_NvmeState, Optimizer):
         """p's values in host memory: p itself, or a device parameter's image."""
         return self._device_side().image(p) if _device.on_device(p) else p
 
+    def _group_index(self, p: Tensor) -> int:
+        """The index of the param group holding ``p``, from a map made again
+        whenever the groups change (a cost of the number of groups a call)."""
+        key = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
+        if getattr(self, "_group_key", None) != key:
+            self._group_of = {id(q): i for i, g in enumerate(self.param_groups) for q in g["params"]}
+            self._group_key = key
+        found = self._group_of.get(id(p))
+        if found is None:
+            raise ValueError("step_parameters: a parameter this optimizer does not hold")
+        return found
+
+    @torch.no_grad()
+    def step_parameters(self, params: list[Tensor]) -> set[Tensor]:
+        """Steps only ``params`` (host parameters, each with its ``.grad``),
+        each with its own param group's hyper-parameters: the cost is theirs
+        alone, whatever the optimizer holds besides. For an engine that steps
+        parameters as their gradients become final; it runs no step hooks and
+        counts nothing in ``skipped_steps`` — a :meth:`step` after the last
+        of them (with no gradients left, it updates nothing) does both once.
+        Returns the parameters skipped for a non-finite gradient."""
+        groups: dict[int, list[tuple[Tensor, Tensor, Tensor]]] = {}
+        for p in params:
+            if p.grad is None:
+                raise ValueError("step_parameters: a parameter without a gradient")
+            if _device.on_device(p):
+                raise ValueError("step_parameters: steps host parameters; a device one goes through step()")
+            index = self._group_index(p)
+            _check_group(self.param_groups[index])
+            groups.setdefault(index, []).append((p, p, p.grad))
+        skipped = self._step_items(sorted(groups.items()))
+        self._skipped_since_step = getattr(self, "_skipped_since_step", set()) | skipped
+        return skipped
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step over every parameter that has a gradient; returns the
@@ -1021,6 +1056,8 @@ class Adam(_NvmeState, Optimizer):
                     skipped |= bucket_skipped
             finally:
                 side.end()
+        skipped |= getattr(self, "_skipped_since_step", set())  # what step_parameters() stepped since
+        self._skipped_since_step = set()
         self.last_step_skipped = bool(skipped)
         self.skipped_steps += int(bool(skipped))
         return loss
