@@ -780,6 +780,26 @@ class Adam(_NvmeState, Optimizer):
             for key, fresh in keys.items():
                 self._nvme.set_fresh_chunks(slot, key, fresh)
 
+    def refresh_masters(self) -> None:
+        """Starts each bf16/fp16 parameter's fp32 master again from the
+        parameter's value at its next step, as DeepSpeed's
+        ``refresh_fp32_params``: after the parameters were given new values
+        without the optimizer's state (a checkpoint's weights loaded alone),
+        whose step would otherwise write the old master's values back. The
+        moments and step counts stay."""
+        self._cpu_slots.clear()
+        if self._device_params is not None:
+            self._device_params.forget()  # a device parameter's host image is read again
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype not in _LOW_PRECISION:
+                    continue
+                if self._nvme is not None:
+                    if p in self._slots:
+                        self._nvme.forget(self._slots[p], MASTER_KEY)
+                elif p in self.state:
+                    self.state[p].pop(MASTER_KEY, None)
+
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict. With offload="nvme" the state tensors are read
         from NVMe into RAM (the whole state, as fp32 tensors: mind its size;
