@@ -217,8 +217,10 @@ class GatheredParameters:
     """``with GatheredParameters(params, modifier_rank=0):`` every parameter in
     ``params`` (one, or an iterable) holds its full values (its host copy)
     inside the context; with ``modifier_rank`` not None what the block writes is
-    kept. Parameters not in a tierflow store pass through untouched. Raises
-    ValueError when the parameters cannot all fit in the host tier at once."""
+    kept — with several ranks, what rank ``modifier_rank`` wrote, broadcast to
+    every rank, as DeepSpeed's. Parameters not in a tierflow store pass through
+    untouched. Raises ValueError when the parameters cannot all fit in the host
+    tier at once, or ``modifier_rank`` is not a rank of their store's group."""
 
     def __init__(self, params: torch.nn.Parameter | Iterable[torch.nn.Parameter], modifier_rank: int | None = None,
                  fwd_module: Any = None, enabled: bool = True) -> None:
@@ -226,6 +228,7 @@ class GatheredParameters:
             params = [params]
         self.params = list(params)
         self.write = modifier_rank is not None
+        self.modifier_rank = modifier_rank
         self.enabled = enabled
         self.held: list[tuple[Any, Any, Any]] = []
 
@@ -239,6 +242,10 @@ class GatheredParameters:
             if part is not None:
                 by_store.setdefault(id(store), (store, []))[1].append(part)
         for store, parts in by_store.values():
+            world = store.group.world_size
+            if self.write and not (isinstance(self.modifier_rank, int) and 0 <= self.modifier_rank < world):
+                raise ValueError(f"modifier_rank: {self.modifier_rank!r} is not a rank of the {world} the "
+                                 f"parameters are partitioned over (give 0 to {world - 1}, or None to read only)")
             need = sum(pages(x.nbytes) for x in parts)
             if need > store.plan.host_budget:
                 raise ValueError(f"params: {len(parts)} parameters need {format_bytes(need)} of host memory at once, "
@@ -257,5 +264,5 @@ class GatheredParameters:
     def __exit__(self, *exc: Any) -> None:
         for store, part, lease in self.held:
             store.unhold(part)
-            store.end_host(lease, dirty=self.write)
+            store.end_host(lease, dirty=self.write, source=self.modifier_rank or 0)
         self.held.clear()

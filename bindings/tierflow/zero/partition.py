@@ -699,7 +699,8 @@ class ParamStore:
         with :meth:`end_host`. One rank: a host lease of the block, no copy.
         Several: a gathered copy ("overwrite": not gathered, every rank taken
         to write the same values) whose ending writes this rank's shard back —
-        rank 0's values, broadcast, after a "write"."""
+        after a "write", the values of :meth:`end_host`'s ``source`` rank,
+        broadcast."""
         if not part.sharded:
             lease = self._lease(part.block, "host", mode)
             return lease, self._view(lease, part)
@@ -716,14 +717,17 @@ class ParamStore:
         part.held -= 1
         set_data(part.param, part.placeholder)
 
-    def end_host(self, lease: Any, dirty: bool) -> None:
+    def end_host(self, lease: Any, dirty: bool, source: int = 0) -> None:
+        """Ends :meth:`host_view`'s access; ``dirty``: its values are kept —
+        with several ranks, after a "write", rank ``source``'s (every rank
+        calls it, with the same ``source``)."""
         if not isinstance(lease, _Gathered):
             self._unlease(lease, dirty)
             return
         if dirty:
             values = lease.values
             if lease.mode == "write":
-                values = self.group.broadcast(values.detach().clone())
+                values = self.group.broadcast(values.detach().clone(), src=source)
             self.write(lease.part, values)
 
     def write(self, part: Partition, values: torch.Tensor) -> None:
