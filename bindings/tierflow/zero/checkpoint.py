@@ -5,14 +5,37 @@ DeepSpeed lays them out.
 
 * ``model.safetensors``: every parameter's compute copy (stage 3: streamed
   from the store one parameter at a time, so saving never needs the model in
-  RAM);
+  RAM) and the model's persistent buffers;
 * ``optimizer/`` (state on NVMe: the optimizer's own crash-safe checkpoint,
   streamed through its host budget; with ZenFlow, and the fp32 masters of a
   bf16/fp16 run in ``masters.pt``) or ``optimizer.pt`` (state in memory;
   stage 3 with ZenFlow: ZenFlow's state_dict, and the fp32 masters of a
   bf16/fp16 run);
 * ``engine.pt``: the step counters, the loss scale, the lr scheduler's state
-  and the client state.
+  and the client state;
+* the files DeepSpeed's ``zero_to_fp32.py`` reads
+  (``get_fp32_state_dict_from_zero_checkpoint(save_dir)`` gives the fp32
+  masters): ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` (stage 3, one a
+  rank; ``mp_rank_00_model_states.pt`` at stages 0–2: the buffers, the
+  parameters' names and shapes, the tied ones, the frozen ones' values) and
+  ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (this rank's fp32
+  masters of the trainable parameters, flat, DeepSpeed's partitions of
+  ``ceil(numel / world_size)`` each). They cost 4 bytes a trainable parameter
+  on disk; they are written streamed — the file's layout first
+  (``torch.serialization.skip_data``), then each parameter's values into it,
+  one at a time — so that no more than one parameter is ever in RAM, as for
+  ``model.safetensors``. tierflow's own load does not read them.
+
+Every file is written with plain tensors, numbers, strings and containers,
+and read with ``torch.load(weights_only=True)``: a checkpoint cannot run code
+when it is loaded, and one that holds anything else is refused, naming the
+file. A save refuses a ``client_state`` (or an lr scheduler state) that such
+a load could not read back, before it writes anything.
+
+:func:`load` checks everything it can before it changes anything — the tag,
+every file it needs present and readable, the parameters' names, shapes and
+dtypes, the world size and the optimizer's placement and parameter groups —
+and only then writes the model, the optimizer and the counters.
 
 A save is written into a hidden sibling directory, synced, and renamed into
 place; ``latest`` is replaced the same way after it. A save killed at any
@@ -34,11 +57,17 @@ that lives on NVMe must be streamed.
 from __future__ import annotations
 
 import errno
+import io
 import json
+import math
 import os
+import pickle
 import shutil
 import struct
-from typing import TYPE_CHECKING, Any, Iterator
+import warnings
+import zipfile
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -52,6 +81,10 @@ __all__ = ["save", "load", "export", "write_safetensors", "read_safetensors_head
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
 _ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
+
+# engine.pt's "format": 2 saves the buffers, the optimizer's placement and
+# DeepSpeed's zero_to_fp32 files; 1 (no "format" key) had none of them.
+_FORMAT = 2
 
 
 def _fsync_dir(path: str) -> None:
@@ -135,7 +168,8 @@ def _read_into(f: Any, base: int, entry: dict, out: torch.Tensor, path: str, nam
 # ---- the model's values --------------------------------------------------------------------------
 
 def _model_entries(engine: "Engine") -> list[tuple[str, Any]]:
-    """(name, parameter or partition) for every distinct parameter."""
+    """(name, parameter or partition) for every distinct parameter, in the
+    model's order (a tied one under its first name)."""
     if engine.params is not None:
         return [(part.name, part) for part in engine.params.parts]
     seen, out = set(), []
@@ -143,6 +177,47 @@ def _model_entries(engine: "Engine") -> list[tuple[str, Any]]:
         if id(p) not in seen:
             seen.add(id(p))
             out.append((name, p))
+    return out
+
+
+def _shape(item: Any) -> tuple[int, ...]:
+    return tuple(item.shape)
+
+
+def _numel(item: Any) -> int:
+    return math.prod(item.shape)
+
+
+def _trainable(item: Any) -> bool:
+    """Whether the optimizer owns ``item``: trainable, with at least one
+    element (DeepSpeed's ``is_optimized_parameter``)."""
+    return bool(item.requires_grad) and _numel(item) > 0
+
+
+def _buffer_entries(engine: "Engine") -> list[tuple[str, torch.Tensor]]:
+    """(state_dict name, buffer) for every persistent buffer of the model."""
+    out, seen = [], set()
+    for prefix, module in engine.module.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is None or name in module._non_persistent_buffers_set:
+                continue
+            key = f"{prefix}.{name}" if prefix else name
+            if key not in seen:
+                seen.add(key)
+                out.append((key, buffer))
+    return out
+
+
+def _aliases(engine: "Engine") -> dict[str, str]:
+    """A tied parameter's other names → the name it is saved under
+    (DeepSpeed's ``shared_params``)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
     return out
 
 
@@ -166,21 +241,66 @@ def _write_on_rank0(engine: "Engine", path: str, shapes: list, values: Iterator[
             pass
 
 
-def _save_model(engine: "Engine", path: str) -> None:
-    entries = _model_entries(engine)
-    shapes = [(n, tuple(x.shape), x.dtype) for n, x in entries]
-    _write_on_rank0(engine, path, shapes, _values(engine, entries, lambda item, t: t))
+def _save_model(engine: "Engine", path: str, entries: list[tuple[str, Any]]) -> None:
+    buffers = _buffer_entries(engine)
+    shapes = [(n, _shape(x), x.dtype) for n, x in entries] + [(n, tuple(b.shape), b.dtype) for n, b in buffers]
+
+    def values() -> Iterator[torch.Tensor]:
+        yield from _values(engine, entries, lambda item, t: t)
+        for _, b in buffers:
+            yield b.detach().cpu()
+
+    _write_on_rank0(engine, path, shapes, values())
 
 
-def _load_model(engine: "Engine", path: str) -> None:
+def _check_model_file(path: str, want: list[tuple[str, tuple[int, ...], torch.dtype]], strict: bool,
+                      what: str) -> tuple[dict[str, Any], int, set[str]]:
+    """Checks ``path`` (a safetensors file) against ``want`` (name, shape,
+    dtype): with ``strict`` it holds exactly those names, else those it holds
+    are loaded and the rest kept; every one it holds has the model's shape
+    and dtype, and its bytes are all there. Returns its header, where its
+    data starts and the names to load."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(errno.ENOENT, f"load_checkpoint: {path} is missing (every checkpoint holds the "
+                                              "model's values there)", path)
     header, base = read_safetensors_header(path)
-    entries = _model_entries(engine)
-    missing = [n for n, _ in entries if n not in header]
-    if missing:
-        raise ValueError(f"{path}: has no '{missing[0]}' (and {len(missing) - 1} more parameters of the model)"
-                         if len(missing) > 1 else f"{path}: has no '{missing[0]}'")
+    names = {n for n, _, _ in want}
+    if strict:
+        missing = [n for n, _, _ in want if n not in header]
+        unexpected = [n for n in header if n not in names]
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"missing {_listed(missing)}")
+            if unexpected:
+                parts.append(f"unexpected {_listed(unexpected)}")
+            raise ValueError(f"load_checkpoint: {path} does not hold {what}: {'; '.join(parts)} "
+                             "(load_module_strict=False loads the ones both have)")
+    size = os.path.getsize(path)
+    for name, shape, dtype in want:
+        entry = header.get(name)
+        if entry is None:
+            continue
+        if _ST_TORCH.get(entry.get("dtype")) != dtype or list(entry.get("shape", ())) != list(shape):
+            raise ValueError(f"load_checkpoint: {path} holds '{name}' as {entry.get('shape')} {entry.get('dtype')}, "
+                             f"the model's is {list(shape)} {_ST_DTYPES.get(dtype, dtype)}")
+        if base + entry["data_offsets"][1] > size:
+            raise ValueError(f"load_checkpoint: {path} is truncated ('{name}' ends past its {size} bytes)")
+    return header, base, names & set(header)
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _load_model(engine: "Engine", path: str, header: dict, base: int, names: set[str]) -> None:
+    """Writes the checked ``names`` of ``path`` into the model: a parameter
+    in the store straight into its host copy, one at a time."""
     with open(path, "rb") as f:
-        for name, item in entries:
+        for name, item in _model_entries(engine):
+            if name not in names:
+                continue
             if engine.params is not None:
                 engine.params.release(item)  # a resident copy would be stale once this lands
                 lease, view = engine.params.host_view(item, "overwrite")
@@ -195,6 +315,212 @@ def _load_model(engine: "Engine", path: str) -> None:
                 _read_into(f, base, header[name], target, path, name)
                 with torch.no_grad():
                     item.copy_(target)
+        for name, buffer in _buffer_entries(engine):
+            if name not in names:
+                continue
+            target = torch.empty(buffer.shape, dtype=buffer.dtype)
+            _read_into(f, base, header[name], target, path, name)
+            with torch.no_grad():
+                buffer.copy_(target)
+
+
+# ---- files loaded as plain data ---------------------------------------------------------------
+
+def _load_plain(path: str, what: str, **kwargs: Any) -> Any:
+    """``torch.load(path, weights_only=True)``: a file that holds anything
+    but tensors, numbers, strings and containers is refused, naming it,
+    without running any of it."""
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"load_checkpoint: {path} is missing ({what})", path) from None
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()
+        reason = next((line.strip() for line in first if "Unsupported" in line or "global" in line.lower()),
+                      first[0] if first else "")
+        raise ValueError(f"load_checkpoint: {path} ({what}) holds more than tensors, numbers and strings and was "
+                         f"not loaded (torch.load weights_only=True: {reason})") from None
+    except (RuntimeError, EOFError) as e:
+        raise ValueError(f"load_checkpoint: {path} ({what}) is not a readable torch file ({e})") from None
+
+
+def _check_plain(obj: Any, what: str) -> None:
+    """Refuses ``obj`` when a ``weights_only=True`` load could not read it back."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = str(e).strip().splitlines()
+        reason = next((line.strip() for line in lines if "Unsupported" in line), lines[0] if lines else "")
+        raise ValueError(f"{what}: holds an object a checkpoint cannot keep ({reason}); a checkpoint is "
+                         "loaded with torch.load(weights_only=True), so give plain dicts, lists, numbers, "
+                         "strings and tensors") from None
+
+
+# ---- DeepSpeed's zero_to_fp32 files --------------------------------------------------------------
+
+def _fake(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor with a shape and a dtype and no memory (torch's FakeTensor),
+    for a file's layout written before its values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(shape, dtype=dtype)
+
+
+def _tensors_in_order(obj: Any, out: list[torch.Tensor], seen: set[int]) -> None:
+    """The tensors of ``obj`` in the order pickle meets them (dicts in
+    insertion order, depth first): the order torch.save numbers their
+    storages in."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            out.append(obj)
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            _tensors_in_order(key, out, seen)
+            _tensors_in_order(value, out, seen)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _tensors_in_order(value, out, seen)
+
+
+def _save_streamed(path: str, obj: Any, fill: dict[int, Callable[[], Iterator[torch.Tensor]]]) -> None:
+    """torch.save of ``obj``, whose tensors are fakes (:func:`_fake`), with
+    each one's values written afterwards from ``fill[id(fake)]()`` — the
+    pieces that make it up, in order — into the room the file keeps for
+    them: a tensor of the whole model is written without ever being in RAM.
+    The file is a torch zip whose storages are stored uncompressed; each
+    record's offset is read from the zip's own headers."""
+    fakes: list[torch.Tensor] = []
+    _tensors_in_order(obj, fakes, set())
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(obj, path)
+    with zipfile.ZipFile(path) as z:
+        records = {}
+        for info in z.infolist():
+            folder, _, key = info.filename.rpartition("/")
+            if folder.endswith("/data") and key.isdigit():
+                records[int(key)] = info
+    if sorted(records) != list(range(len(fakes))):
+        raise RuntimeError(f"{path}: torch.save wrote {len(records)} storages for {len(fakes)} tensors")
+    with open(path, "r+b") as f:
+        for key, fake in enumerate(fakes):
+            info = records[key]
+            nbytes = fake.numel() * fake.element_size()
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
+                raise RuntimeError(f"{path}: storage {key} is {info.file_size} bytes, its tensor {nbytes}")
+            f.seek(info.header_offset)
+            local = f.read(30)
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            f.seek(info.header_offset + 30 + name_len + extra_len)
+            written = 0
+            for piece in fill[id(fake)]():
+                data = piece.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+                f.write(memoryview(data))
+                written += data.nbytes
+            if written != nbytes:
+                raise RuntimeError(f"{path}: {written} bytes written for a tensor of {nbytes}")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _local_values(engine: "Engine", item: Any) -> torch.Tensor:
+    """This rank's compute values of ``item``: the parameter, or its flat shard."""
+    if engine.params is not None:
+        return engine.params.read_local(item)
+    return item.detach().cpu()
+
+
+def _local_master(engine: "Engine", item: Any, local: torch.Tensor) -> torch.Tensor:
+    """This rank's fp32 master of ``item`` (a partition or a parameter),
+    given its compute values ``local`` (:func:`_local_values`): the
+    optimizer's (or ZenFlow's) master of a bf16/fp16 parameter, made from
+    the values when it has not stepped yet; an fp32 parameter's values."""
+    if local.dtype == torch.float32 or not item.requires_grad:
+        return local.to(torch.float32)
+    sharded = engine.params is not None and item.sharded
+    if engine.zenflow is not None:
+        kept = engine.zenflow.master_of(item)
+        if kept is not None and sharded:
+            kept = engine.group.shard_of(kept.reshape(-1), item.shard_numel)
+    elif engine.params is None:
+        kept = _master_from_optimizer(engine.optimizer, item)
+    else:
+        # The optimizer steps this rank's values (the parameter, or its
+        # shard), and reads one it never stepped from them.
+        p = item.step_param
+        p.data = local
+        try:
+            kept = _master_from_optimizer(engine.optimizer, p)
+        finally:
+            p.data = item.step_placeholder
+    return kept if kept is not None else local.to(torch.float32)
+
+
+def _save_deepspeed_files(engine: "Engine", tag_dir: str, entries: list[tuple[str, Any]],
+                          exclude_frozen: bool) -> None:
+    """This rank's model-states and optim-states files, as DeepSpeed's
+    engine writes them for ``zero_to_fp32.py``."""
+    from tierflow import __version__
+
+    world, rank = engine.group.world_size, engine.group.rank
+    stage3 = engine.params is not None
+    version = f"tierflow {__version__}"
+    trainable = [(n, x) for n, x in entries if _trainable(x)]
+    frozen = [] if exclude_frozen else [(n, x) for n, x in entries if not _trainable(x)]
+    # DeepSpeed's partition of a parameter: ceil(numel / world) elements,
+    # the last rank's padded (tierflow's shards are those).
+    partition = [-(-_numel(x) // world) for _, x in trainable]
+
+    def local_of(item: Any) -> torch.Tensor:
+        return _local_values(engine, item).reshape(-1)
+
+    def masters() -> Iterator[torch.Tensor]:
+        for (_, item), n in zip(trainable, partition):
+            yield _local_master(engine, item, local_of(item))[:n]
+
+    flat = _fake((sum(partition),), torch.float32)
+    fill: dict[int, Callable[[], Iterator[torch.Tensor]]] = {id(flat): masters}
+    groups_key = "fp32_flat_groups" if stage3 else "single_partition_of_fp32_groups"
+    optim_states = {
+        "optimizer_state_dict": {"zero_stage": engine.stage, "partition_count": world, groups_key: [flat]},
+        "ds_version": version,
+    }
+    prefix = "bf16_" if engine.precision == "bf16" else ""
+    _save_streamed(os.path.join(tag_dir, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"),
+                   optim_states, fill)
+
+    buffers = OrderedDict()
+    fill = {}
+    for name, b in _buffer_entries(engine):
+        buffers[name] = _fake(tuple(b.shape), b.dtype)
+        fill[id(buffers[name])] = (lambda b=b: iter([b.detach().cpu()]))
+    fragments = OrderedDict()
+    for name, item in frozen:
+        # Stage 3: this rank's shard, flat (zero_to_fp32 joins the ranks'
+        # and cuts the padding); stages 0-2: the parameter.
+        n = -(-_numel(item) // world) if stage3 else _numel(item)
+        fragments[name] = _fake((n,) if stage3 else _shape(item), item.dtype)
+        fill[id(fragments[name])] = (lambda item=item, n=n: iter([local_of(item)[:n]]))
+    model_states = {
+        "module": buffers,
+        "buffer_names": list(buffers),
+        "param_shapes": [OrderedDict((n, torch.Size(_shape(x))) for n, x in trainable)],
+        "frozen_param_shapes": None if exclude_frozen else OrderedDict((n, torch.Size(_shape(x))) for n, x in frozen),
+        "frozen_param_fragments": None if exclude_frozen else fragments,
+        "shared_params": _aliases(engine),
+        "global_steps": engine.global_steps,
+        "skipped_steps": engine.skipped_steps,
+        "dp_world_size": world,
+        "mp_world_size": 1,
+        "ds_version": version,
+    }
+    name = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage3 else "mp_rank_00_model_states.pt"
+    if stage3 or rank == 0:
+        _save_streamed(os.path.join(tag_dir, name), model_states, fill)
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------
@@ -205,10 +531,11 @@ def _optimizer_on_nvme(engine: "Engine") -> bool:
     return getattr(engine.optimizer, "offload", "cpu") == "nvme" and hasattr(engine.optimizer, "save_state")
 
 
-def _optimizer_path(engine: "Engine", tag_dir: str) -> str:
+def _optimizer_path(engine: "Engine", tag_dir: str, on_nvme: bool | None = None) -> str:
     """This rank's optimizer file (or directory, state on NVMe) in ``tag_dir``."""
     name = "optimizer" if engine.group.world_size == 1 else f"optimizer.rank{engine.group.rank}"
-    return os.path.join(tag_dir, name if _optimizer_on_nvme(engine) else name + ".pt")
+    on_nvme = _optimizer_on_nvme(engine) if on_nvme is None else on_nvme
+    return os.path.join(tag_dir, name if on_nvme else name + ".pt")
 
 
 def _agree(engine: "Engine", error: BaseException | None, what: str, path: str) -> None:
@@ -220,10 +547,19 @@ def _agree(engine: "Engine", error: BaseException | None, what: str, path: str) 
     raise OSError(errno.EIO, f"{what}: another rank failed writing {path}", path)
 
 
-def save(engine: "Engine", save_dir: str, tag: str | None, client_state: dict, save_latest: bool) -> str:
-    tag = tag or f"global_step{engine.global_steps}"
+def _check_tag(tag: str, where: str) -> None:
     if not tag or "/" in tag or tag.startswith("."):
-        raise ValueError(f"tag: {tag!r} is not a directory name")
+        raise ValueError(f"{where}: {tag!r} is not a directory name")
+
+
+def save(engine: "Engine", save_dir: str, tag: str | None, client_state: dict, save_latest: bool,
+         exclude_frozen: bool = False) -> str:
+    tag = tag or f"global_step{engine.global_steps}"
+    _check_tag(tag, "tag")
+    # What a weights_only load could not read back is refused before any file is made.
+    _check_plain(client_state, "client_state")
+    if engine.lr_scheduler is not None:
+        _check_plain(engine.lr_scheduler.state_dict(), "lr_scheduler.state_dict()")
     final = os.path.join(save_dir, tag)
     partial = os.path.join(save_dir, f".{tag}.partial")
     rank0 = engine.group.rank == 0
@@ -237,7 +573,7 @@ def save(engine: "Engine", save_dir: str, tag: str | None, client_state: dict, s
             error = e
     _agree(engine, error, "save_checkpoint", partial)
     try:
-        _save_into(engine, partial, client_state)
+        _save_into(engine, partial, client_state, exclude_frozen)
     except OSError as e:
         error = e if e.filename is not None else OSError(e.errno, f"save_checkpoint: {e.strerror} writing {partial}",
                                                           partial)
@@ -266,106 +602,286 @@ def save(engine: "Engine", save_dir: str, tag: str | None, client_state: dict, s
     return final
 
 
-def _save_into(engine: "Engine", partial: str, client_state: dict) -> None:
+def _save_into(engine: "Engine", partial: str, client_state: dict, exclude_frozen: bool) -> None:
     engine._finish_optimizer()  # the model and the store get ZenFlow's newest values first
     if engine.params is not None:
         engine.params.flush()
-    _save_model(engine, os.path.join(partial, "model.safetensors"))
+    entries = _model_entries(engine)
+    if exclude_frozen:
+        entries = [(n, x) for n, x in entries if x.requires_grad]
+    _save_model(engine, os.path.join(partial, "model.safetensors"), entries)
     owner = engine.zenflow or engine.optimizer  # ZenFlow's masters with its state
-    if _optimizer_on_nvme(engine):
+    on_nvme = _optimizer_on_nvme(engine)
+    if on_nvme:
         owner.save_state(_optimizer_path(engine, partial))
     else:
         _save_file(owner.state_dict(), _optimizer_path(engine, partial))
+    _save_deepspeed_files(engine, partial, entries, exclude_frozen)
     if engine.group.rank != 0:
         return
     state = {
+        "format": _FORMAT,
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps,
         "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "client_state": client_state,
-        "parameters": [(n, list(x.shape), str(x.dtype)) for n, x in _model_entries(engine)],
+        "parameters": [(n, list(_shape(x)), str(x.dtype)) for n, x in entries],
+        "buffers": [(n, list(b.shape), str(b.dtype)) for n, b in _buffer_entries(engine)],
         "world_size": engine.group.world_size,
+        "optimizer_on_nvme": on_nvme,
+        "stage": engine.stage,
+        "precision": engine.precision,
     }
     _save_file(state, os.path.join(partial, "engine.pt"))
 
 
-def load(engine: "Engine", load_dir: str, tag: str | None, load_optimizer: bool,
-         load_scheduler: bool) -> tuple[str | None, dict | None]:
-    if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.exists(latest):
-            return None, None
-        with open(latest) as f:
-            tag = f.read().strip()
-    path = os.path.join(load_dir, tag)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(2, f"load_checkpoint: no checkpoint '{tag}' in {load_dir}", path)
-    state = torch.load(os.path.join(path, "engine.pt"), weights_only=False)
-    saved = [(n, tuple(s), d) for n, s, d in state["parameters"]]
-    ours = [(n, tuple(x.shape), str(x.dtype)) for n, x in _model_entries(engine)]
+def _resolve_tag(load_dir: str, tag: str | None) -> str | None:
+    if tag is not None:
+        return tag
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        warnings.warn(f"load_checkpoint: no 'latest' file in {load_dir}, so no checkpoint was loaded; give the tag "
+                      "to load one", RuntimeWarning, stacklevel=4)
+        return None
+    with open(latest) as f:
+        tag = f.read().strip()
+    _check_tag(tag, f"load_checkpoint: {latest} names")
+    return tag
+
+
+def _optimizer_owner(engine: "Engine") -> Any:
+    return engine.zenflow or engine.optimizer
+
+
+def _local_numel(engine: "Engine") -> dict[int, int]:
+    """Elements of the optimizer's view of each parameter, by id of what it
+    steps (a partition's step parameter at stage 3)."""
+    if engine.params is not None:
+        return {id(part.step_param): part.shard_numel for part in engine.params.parts}
+    return {id(p): p.numel() for g in engine.optimizer.param_groups for p in g["params"]}
+
+
+def _check_groups(saved_groups: list, groups: list, path: str) -> None:
+    saved = [len(g["params"]) for g in saved_groups]
+    ours = [len(g["params"]) for g in groups]
     if saved != ours:
-        diff = next(((a, b) for a, b in zip(saved, ours) if a != b), (saved[len(ours):] or [None])[0])
-        raise ValueError(f"load_checkpoint: {path} holds another model's parameters (first difference: {diff})")
-    _load_model(engine, os.path.join(path, "model.safetensors"))
-    if load_optimizer:
+        raise ValueError(f"load_checkpoint: {path} holds the state of param groups of {saved} parameters, this "
+                         f"optimizer has {ours} (load_optimizer_states=False loads the model alone)")
+
+
+def _check_optimizer_state(engine: "Engine", saved: Any, path: str) -> None:
+    """Checks a state_dict saved in memory form against this run's optimizer."""
+    from tierflow.torch.optim import Adam
+
+    if engine.zenflow is not None:
+        if not isinstance(saved, dict) or "optimizer" not in saved:
+            raise ValueError(f"load_checkpoint: {path} is not a stage-3 ZenFlow state (saved without "
+                             "zero_optimization.zenflow?)")
+        _check_groups(saved["optimizer"]["param_groups"], engine.optimizer.param_groups, path)
+        masters = saved.get("masters")
+        if masters is not None:
+            for part in engine.zenflow.parts:
+                value = masters.get(part.name)
+                if value is None or tuple(value.shape) != part.shape:
+                    raise ValueError(f"load_checkpoint: {path} has no fp32 master of '{part.name}' of its shape "
+                                     f"{list(part.shape)}")
+        return
+    if isinstance(saved, dict) and "optimizer" in saved and "param_groups" not in saved:
+        raise ValueError(f"load_checkpoint: {path} holds a stage-3 ZenFlow state; this run's optimizer is not "
+                         "ZenFlow (zero_optimization.zenflow)")
+    if not isinstance(saved, dict) or "param_groups" not in saved or "state" not in saved:
+        raise ValueError(f"load_checkpoint: {path} is not an optimizer state_dict")
+    _check_groups(saved["param_groups"], engine.optimizer.param_groups, path)
+    if isinstance(engine.optimizer, Adam):
+        numel = _local_numel(engine)
+        params = [p for g in engine.optimizer.param_groups for p in g["params"]]
+        ids = [i for g in saved["param_groups"] for i in g["params"]]
+        for index, (i, p) in enumerate(zip(ids, params)):
+            for key, value in saved["state"].get(i, {}).items():
+                if key != "step" and torch.is_tensor(value) and value.numel() != numel[id(p)]:
+                    raise ValueError(f"load_checkpoint: {path} holds '{key}' of {value.numel()} elements for "
+                                     f"parameter {index} of the optimizer, which has {numel[id(p)]}")
+
+
+def _check_optimizer_dir(engine: "Engine", directory: str) -> None:
+    """Checks the optimizer's own NVMe checkpoint in ``directory`` is there
+    and for parameters grouped as this run's (its layout is checked by the
+    optimizer's load, before it changes anything)."""
+    for name in ("optimizer.pt", "manifest.json"):
+        if not os.path.isfile(os.path.join(directory, name)):
+            raise FileNotFoundError(errno.ENOENT, f"load_checkpoint: {os.path.join(directory, name)} is missing "
+                                                  "(the optimizer's NVMe checkpoint)", os.path.join(directory, name))
+    meta = _load_plain(os.path.join(directory, "optimizer.pt"), "the optimizer's state")
+    _check_groups(meta["param_groups"], engine.optimizer.param_groups, directory)
+    if engine.zenflow is not None and engine.precision != "fp32":
+        masters = os.path.join(directory, "masters.pt")
+        if not os.path.isfile(masters):
+            raise FileNotFoundError(errno.ENOENT, f"load_checkpoint: {masters} is missing (the fp32 masters of a "
+                                                  f"{engine.precision} run)", masters)
+
+
+def _load_adam_state(engine: "Engine", saved: dict[str, Any]) -> None:
+    """tierflow Adam's load of ``saved`` with the saved fp32 masters set as
+    they are: its own load would remake a master that does not round to its
+    parameter's value, which a parameter in the store (a placeholder) never
+    does."""
+    from tierflow.torch.optim import MASTER_KEY
+
+    masters = {}
+    state = {}
+    for i, entry in saved["state"].items():
+        if MASTER_KEY in entry:
+            masters[i] = entry[MASTER_KEY]
+            entry = {k: v for k, v in entry.items() if k != MASTER_KEY}
+        state[i] = entry
+    engine.optimizer.load_state_dict({**saved, "state": state})
+    params = [p for g in engine.optimizer.param_groups for p in g["params"]]
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    for i, p in zip(ids, params):
+        if i in masters:
+            engine.optimizer.state[p][MASTER_KEY] = masters[i].to(device="cpu", dtype=torch.float32,
+                                                                   memory_format=torch.contiguous_format)
+
+
+def _refresh_masters(engine: "Engine") -> None:
+    """The fp32 masters follow the model's loaded values (the optimizer's
+    state was not loaded): DeepSpeed's ``refresh_fp32_params``."""
+    if engine.zenflow is not None:
+        engine.zenflow.reload()
+        return
+    refresh = getattr(engine.optimizer, "refresh_masters", None)
+    if callable(refresh):
+        refresh()
+
+
+def load(engine: "Engine", load_dir: str, tag: str | None, *, strict: bool = True, load_optimizer: bool = True,
+         load_scheduler: bool = True, module_only: bool = False) -> tuple[str | None, dict | None]:
+    """DeepSpeed's ``load_checkpoint``: the model (only the names both hold,
+    unless ``strict``), then — unless ``module_only`` — the optimizer's
+    state and the fp16 loss scale (``load_optimizer``; else the fp32
+    masters start again from the loaded weights), the lr scheduler's
+    (``load_scheduler``) and the counters. Every check runs first, on every
+    rank; a failed one, on any rank, leaves every rank's engine as it was."""
+    tag = _resolve_tag(load_dir, tag)
+    if tag is None:
+        return None, None
+    path = os.path.join(load_dir, tag)
+    error: BaseException | None = None
+    try:
+        checked = _check_load(engine, path, load_dir, tag, strict, load_optimizer, load_scheduler, module_only)
+    except Exception as e:  # every rank hears of it, so that none writes while another refused
+        error = e
+    if not engine.group.agree(error is None):
+        if error is not None:
+            raise error
+        raise ValueError(f"load_checkpoint: another rank's checks of {path} failed; nothing was loaded")
+    state, header, base, names, saved_optimizer, take_optimizer, take_scheduler = checked
+
+    # ---- writes ------------------------------------------------------------------------------------------
+    engine._finish_optimizer()  # an update in flight lands before the new values, never over them
+    _load_model(engine, os.path.join(path, "model.safetensors"), header, base, names)
+    if take_optimizer:
+        owner = _optimizer_owner(engine)
+        if _optimizer_on_nvme(engine):
+            owner.load_state(_optimizer_path(engine, path))
+        elif engine.zenflow is not None:
+            owner.load_state_dict(saved_optimizer)
+        else:
+            from tierflow.torch.optim import Adam
+
+            if isinstance(engine.optimizer, Adam):
+                _load_adam_state(engine, saved_optimizer)
+            else:
+                engine.optimizer.load_state_dict(saved_optimizer)
+        if engine.scaler is not None and state.get("loss_scaler") is not None:  # (DeepSpeed's is the optimizer's)
+            engine.scaler.load_state_dict(state["loss_scaler"])
+    else:
+        _refresh_masters(engine)
+    if take_scheduler:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    if not module_only:
+        engine.global_steps = state["global_steps"]
+        engine.micro_steps = state["micro_steps"]
+        engine.skipped_steps = state["skipped_steps"]
+    engine.zero_grad()
+    return path, state["client_state"]
+
+
+def _check_load(engine: "Engine", path: str, load_dir: str, tag: str, strict: bool, load_optimizer: bool,
+                load_scheduler: bool, module_only: bool) -> tuple:
+    """:func:`load`'s checks, which change nothing: what it will write."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(errno.ENOENT, f"load_checkpoint: no checkpoint '{tag}' in {load_dir}", path)
+    state = _load_plain(os.path.join(path, "engine.pt"), "the engine's counters and client state")
+    if not isinstance(state, dict) or "global_steps" not in state:
+        raise ValueError(f"load_checkpoint: {os.path.join(path, 'engine.pt')} is not a tierflow engine state")
+    want = [(n, _shape(x), x.dtype) for n, x in _model_entries(engine)]
+    if state.get("buffers") is not None:  # (a checkpoint of format 1 saved no buffers)
+        want += [(n, tuple(b.shape), b.dtype) for n, b in _buffer_entries(engine)]
+    model_path = os.path.join(path, "model.safetensors")
+    header, base, names = _check_model_file(model_path, want, strict, "this model's parameters and buffers")
+    take_optimizer = load_optimizer and not module_only
+    saved_optimizer = None
+    if take_optimizer:
         saved_world = state.get("world_size", 1)
         if saved_world != engine.group.world_size:
             raise ValueError(f"load_checkpoint: {path} holds the optimizer state of {saved_world} ranks, this run has "
                              f"{engine.group.world_size}; load it with load_optimizer_states=False (the model only) "
                              "or with as many ranks")
-    if engine.zenflow is not None and not load_optimizer:
-        engine.zenflow.reload()  # its masters follow the loaded values
-    elif load_optimizer:  # ZenFlow's masters too
-        owner = engine.zenflow or engine.optimizer
-        if _optimizer_on_nvme(engine):
-            owner.load_state(_optimizer_path(engine, path))
+        on_nvme = _optimizer_on_nvme(engine)
+        saved_on_nvme = state.get("optimizer_on_nvme")
+        if saved_on_nvme is None:  # format 1: the path tells
+            saved_on_nvme = os.path.isdir(_optimizer_path(engine, path, on_nvme=True))
+        if saved_on_nvme != on_nvme:
+            where = {True: "on NVMe", False: "in host memory"}
+            raise ValueError(f"load_checkpoint: {path} holds the optimizer's state saved {where[saved_on_nvme]}, this "
+                             f"run keeps it {where[on_nvme]} (zero_optimization.offload_optimizer.device); give the "
+                             "same device, or load_optimizer_states=False")
+        opt_path = _optimizer_path(engine, path)
+        if on_nvme:
+            _check_optimizer_dir(engine, opt_path)
         else:
-            owner.load_state_dict(torch.load(_optimizer_path(engine, path), weights_only=False))
-    if load_scheduler and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    if engine.scaler is not None and state["loss_scaler"] is not None:
-        engine.scaler.load_state_dict(state["loss_scaler"])
-    engine.global_steps = state["global_steps"]
-    engine.micro_steps = state["micro_steps"]
-    engine.skipped_steps = state["skipped_steps"]
-    engine.zero_grad()
-    return path, state["client_state"]
+            saved_optimizer = _load_plain(opt_path, "the optimizer's state")
+            _check_optimizer_state(engine, saved_optimizer, opt_path)
+    take_scheduler = load_scheduler and not module_only and engine.lr_scheduler is not None
+    if take_scheduler and state.get("lr_scheduler") is None:
+        raise ValueError(f"load_checkpoint: {path} holds no lr scheduler state and this engine has a scheduler; "
+                         "give load_lr_scheduler_states=False to start its schedule afresh")
+    if take_optimizer and engine.scaler is not None and state.get("loss_scaler") is not None:
+        keys = {"scale", "good", "hysteresis_left", "overflows"}
+        if not keys <= set(state["loss_scaler"]):
+            raise ValueError(f"load_checkpoint: {os.path.join(path, 'engine.pt')} holds a loss scaler state without "
+                             f"{sorted(keys - set(state['loss_scaler']))}")
+    return state, header, base, names, saved_optimizer, take_optimizer, take_scheduler
 
 
 # ---- exports ----------------------------------------------------------------------------------------
 
-def export(engine: "Engine", save_dir: str, filename: str, fp32: bool) -> str:
+def export(engine: "Engine", save_dir: str, filename: str, fp32: bool, exclude_frozen: bool = False) -> str:
     """The model's weights as one safetensors file: the compute copies, or
     (``fp32``) the fp32 masters — a bf16/fp16 parameter's from the optimizer's
-    state, made from the parameter when it has not stepped yet."""
+    state, made from the parameter when it has not stepped yet. With
+    ``exclude_frozen``, the trainable parameters only."""
+    if not filename.endswith(".safetensors"):
+        raise ValueError(f"save_filename: {filename!r}; tierflow writes the weights as safetensors, streamed "
+                         "(name the file *.safetensors)")
     path = os.path.join(save_dir, filename)
     engine._finish_optimizer()
     entries = _model_entries(engine)
+    if exclude_frozen:
+        entries = [(n, x) for n, x in entries if x.requires_grad]
     dtype = torch.float32 if fp32 else None
-    shapes = [(n, tuple(x.shape), dtype or x.dtype) for n, x in entries]
+    shapes = [(n, _shape(x), dtype or x.dtype) for n, x in entries]
 
     def master(item: Any, values: torch.Tensor) -> torch.Tensor:
         if not fp32 or values.dtype == torch.float32:
             return values
-        if engine.zenflow is not None:
-            kept = engine.zenflow.master_of(item)
-            return kept if kept is not None else values.to(torch.float32)
-        if engine.params is None:
-            kept = _master_from_optimizer(engine.optimizer, item)
-            return kept if kept is not None else values.to(torch.float32)
-        # The optimizer steps this rank's values (the parameter, or its
-        # shard), and reads one it never stepped from them.
-        params, p = engine.params, item.step_param
-        local = params.group.shard_of(values.reshape(-1), item.shard_numel) if item.sharded else values
-        p.data = local
-        try:
-            kept = _master_from_optimizer(engine.optimizer, p)
-        finally:
-            p.data = item.step_placeholder
-        kept = kept if kept is not None else local.to(torch.float32)
-        return params.group.gather(kept.reshape(-1))[: item.numel].view(item.shape) if item.sharded else kept
+        sharded = engine.params is not None and item.sharded
+        local = engine.group.shard_of(values.reshape(-1), item.shard_numel) if sharded else values
+        kept = _local_master(engine, item, local)
+        return engine.group.gather(kept.reshape(-1))[: item.numel].view(item.shape) if sharded else kept
 
     tmp = f"{path}.partial"
     if engine.group.rank == 0:
@@ -382,7 +898,7 @@ def _master_from_optimizer(optimizer: Any, p: torch.Tensor) -> torch.Tensor | No
 
     read = getattr(optimizer, "_read_state", None)
     if getattr(optimizer, "offload", "cpu") == "nvme" and callable(read):
-        group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-        return read(p, group).get(MASTER_KEY)
+        group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), None)
+        return None if group is None else read(p, group).get(MASTER_KEY)  # (None: one it does not step)
     value = optimizer.state.get(p, {}).get(MASTER_KEY)
     return None if value is None else value.detach().cpu().clone()

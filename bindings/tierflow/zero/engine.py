@@ -111,7 +111,7 @@ class Engine:
                  lr_scheduler: Any = None, params: ParamStore | None = None) -> None:
         self.module = model
         self.config = config
-        self.gradient_accumulation_steps = _whole_value(config, "gradient_accumulation_steps")
+        self._gradient_accumulation_steps = _whole_value(config, "gradient_accumulation_steps")
         clip = config.gradient_clipping
         if clip is AUTO:
             raise ValueError('gradient_clipping: "auto" is unresolved; give a number (0 turns clipping off)')
@@ -336,7 +336,7 @@ class Engine:
         Returns the loss, unscaled."""
         start = time.perf_counter()
         try:
-            scale = 1.0 / self.gradient_accumulation_steps
+            scale = 1.0 / self._gradient_accumulation_steps
             if self.scaler is not None:
                 scale *= self.scaler.scale
             self._need_norm = self.is_gradient_accumulation_boundary() and (
@@ -362,8 +362,11 @@ class Engine:
             self._norm_counted.add(part.index)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next :meth:`step` updates the parameters."""
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        """Whether the next :meth:`step` updates the parameters (what
+        :meth:`set_gradient_accumulation_boundary` set, when it was called)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self._gradient_accumulation_steps == 0
 
     def step(self) -> None:
         """Ends a micro-batch; at the accumulation boundary, clips, steps the
@@ -373,6 +376,7 @@ class Engine:
         try:
             boundary = self.is_gradient_accumulation_boundary()
             self.micro_steps += 1
+            self._step_applied = False
             if self._overlap is not None:
                 self._overlap.end_micro_batch()
             if not boundary:
@@ -381,10 +385,12 @@ class Engine:
                 applied = self._step_partitioned()
             else:
                 applied = self._step_resident()
-            if applied:
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-                self.global_steps += 1
+            self._step_applied = applied
+            # As DeepSpeed's: a skipped (fp16 overflow) step counts in
+            # global_steps and skipped_steps, and does not step the schedule.
+            if applied and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.global_steps += 1
         finally:
             self._busy += time.perf_counter() - start
 
@@ -543,29 +549,56 @@ class Engine:
     # ---- checkpoints --------------------------------------------------------------------------
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
-                        client_state: dict | None = None, save_latest: bool = True) -> str:
+                        client_state: dict | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> str:
         """Saves the model, the optimizer and the engine into ``save_dir/tag``
         (tag default ``global_step<N>``) and, with ``save_latest``, names it in
-        ``save_dir/latest``. A save interrupted (even by SIGKILL) leaves the
-        previous tag and ``latest`` as they were. Returns the tag's path."""
-        return _checkpoint.save(self, os.fspath(save_dir), tag, client_state or {}, save_latest)
+        ``save_dir/latest``, as DeepSpeed's (its files for ``zero_to_fp32.py``
+        included); ``exclude_frozen_parameters`` leaves out the parameters that
+        do not require grad (load such a checkpoint with
+        ``load_module_strict=False``). Every rank calls it. A save interrupted
+        (even by SIGKILL) leaves the previous tag and ``latest`` as they were.
+        Returns the tag's path."""
+        return _checkpoint.save(self, os.fspath(save_dir), tag, client_state or {}, save_latest,
+                                exclude_frozen=exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
-                        load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True) -> tuple[str | None, dict | None]:
-        """Loads ``load_dir/tag`` (default: the tag ``latest`` names) and returns
-        ``(path, client_state)``; ``(None, None)`` when there is no ``latest``."""
-        return _checkpoint.load(self, os.fspath(load_dir), tag, load_optimizer_states, load_lr_scheduler_states)
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False,
+                        custom_load_fn: Callable | None = None) -> tuple[str | None, dict | None]:
+        """DeepSpeed's ``load_checkpoint``, its arguments in its order: loads
+        ``load_dir/tag`` (default: the tag ``latest`` names) and returns
+        ``(path, client_state)``; ``(None, None)``, with a warning, when there
+        is no ``latest``. ``load_module_strict=False`` loads the parameters and
+        buffers the checkpoint and the model both have (as torch's
+        ``load_state_dict(strict=False)``; their shapes must still match);
+        ``load_module_only`` the model's weights alone — no optimizer state,
+        lr scheduler, counters or loss scale. Without the optimizer's state
+        the fp32 masters start again from the loaded weights (DeepSpeed's
+        ``refresh_fp32_params``). Everything is checked before anything
+        changes: a load that raises leaves the engine as it was."""
+        if custom_load_fn is not None:
+            raise ValueError("custom_load_fn: not taken; tierflow streams a checkpoint's weights into its store one "
+                             "parameter at a time and never holds the state_dict such a function takes (leave it "
+                             "None, or read the tag's model.safetensors yourself)")
+        return _checkpoint.load(self, os.fspath(load_dir), tag, strict=bool(load_module_strict),
+                                load_optimizer=bool(load_optimizer_states),
+                                load_scheduler=bool(load_lr_scheduler_states), module_only=bool(load_module_only))
 
-    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors") -> str:
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> str:
         """The model's weights in their compute dtype (bf16/fp16, or fp32 when
         training in fp32) as one safetensors file, streamed parameter by
-        parameter. Returns its path."""
-        return _checkpoint.export(self, os.fspath(save_dir), save_filename, fp32=False)
+        parameter; ``exclude_frozen_parameters``: the trainable ones only.
+        Returns its path."""
+        return _checkpoint.export(self, os.fspath(save_dir), save_filename, fp32=False,
+                                  exclude_frozen=exclude_frozen_parameters)
 
-    def save_fp32_model(self, save_dir: str | os.PathLike, save_filename: str = "model_fp32.safetensors") -> str:
+    def save_fp32_model(self, save_dir: str | os.PathLike, save_filename: str = "model_fp32.safetensors",
+                        exclude_frozen_parameters: bool = False) -> str:
         """The fp32 master weights as one safetensors file, streamed. Returns its path."""
-        return _checkpoint.export(self, os.fspath(save_dir), save_filename, fp32=True)
+        return _checkpoint.export(self, os.fspath(save_dir), save_filename, fp32=True,
+                                  exclude_frozen=exclude_frozen_parameters)
 
     def _finish_optimizer(self) -> None:
         """Applies ZenFlow's window in flight and the open one, so that the
@@ -594,6 +627,116 @@ class Engine:
             close()
         if self.params is not None:
             self.params.close()
+
+
+    # ---- DeepSpeed's API ----
+    # What DeepSpeed's engine offers and Hugging Face's Trainer (through
+    # accelerate) or a DeepSpeed script calls, with DeepSpeed's meaning.
+
+    _boundary_override: bool | None = None  # what set_gradient_accumulation_boundary set
+    _step_applied: bool = False  # whether the last step() updated the parameters
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (the config's)."""
+        return self._gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over every rank: micro-batch ×
+        accumulation steps × world size (the config's)."""
+        return _whole_value(self.config, "train_batch_size")
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch on one rank (the config's)."""
+        return _whole_value(self.config, "train_micro_batch_size_per_gpu")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes: at stage 3 the device tier's (the GPU,
+        or the CPU under the host stand-in), else the model's parameters'."""
+        if self.params is not None:
+            return self.params.device
+        first = next(self.module.parameters(), None)
+        return first.device if first is not None else torch.device("cpu")
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks."""
+        return self.group.world_size
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank among them."""
+        return self.group.rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node: ``LOCAL_RANK`` as the launcher
+        (torchrun, deepspeed) sets it, else the global rank (tierflow runs
+        on one node)."""
+        value = os.environ.get("LOCAL_RANK")
+        return int(value) if value not in (None, "") else self.group.rank
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def bfloat16_enabled(self) -> bool:
+        return self.precision == "bf16"
+
+    def fp16_enabled(self) -> bool:
+        return self.precision == "fp16"
+
+    def was_step_applied(self) -> bool:
+        """Whether the last :meth:`step` updated the parameters: False between
+        accumulation boundaries and when an fp16 overflow skipped it."""
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradients' global L2 norm at the last boundary, before
+        clipping and unscaled; None until a step computed it — the engine
+        computes it only when clipping (``gradient_clipping`` > 0) or under
+        fp16, as DeepSpeed's stages 1–2 return None when they do not."""
+        return self.last_grad_norm
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Overrides the micro-step count's boundary, as DeepSpeed's (and
+        accelerate calls it before every backward): with ``True`` the next
+        :meth:`step` updates the parameters, with ``False`` it accumulates.
+        It holds until set again."""
+        self._boundary_override = bool(is_boundary)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """``zero_optimization.stage3_gather_16bit_weights_on_model_save``."""
+        return bool(self.config.zero.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The model's whole state_dict in its compute dtype, on rank 0 (None
+        elsewhere; every rank calls it), as DeepSpeed's, which accelerate's
+        ``get_state_dict`` calls for a Trainer's ``save_model``: it holds the
+        whole model in RAM (:meth:`save_16bit_model` streams it instead)."""
+        if self.params is None:
+            raise ValueError("_zero3_consolidated_16bit_state_dict: needs zero_optimization.stage 3")
+        self._finish_optimizer()
+        state = self.module.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {name for name, p in self.module.named_parameters(remove_duplicate=False)
+                      if not p.requires_grad}
+            state = type(state)((k, v) for k, v in state.items() if k not in frozen)
+        return state if self.group.rank == 0 else None
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        """The model's parameters (DeepSpeed's engine is a torch module over
+        it; the Trainer counts them)."""
+        return self.module.parameters(recurse=recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters by name, under ``module.`` as DeepSpeed's engine names them."""
+        return self.module.named_parameters(prefix=f"{prefix}.module" if prefix else "module", recurse=recurse,
+                                            remove_duplicate=remove_duplicate)
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for :meth:`close` (accelerate calls it)."""
+        self.close()
 
 
 def _with_budgets(plan: Plan, given: Plan) -> Plan:
@@ -631,9 +774,10 @@ def initialize(model: torch.nn.Module | None = None, model_parameters: Iterable 
         config = getattr(args, "deepspeed_config", None)
     if config is None:
         raise ValueError("config: initialize() needs a DeepSpeed config (a path, a dict or a tierflow Config)")
-    if not isinstance(config, Config):
-        config = from_deepspeed(config, model=model)
-    engine = Engine(model, config, model_parameters, lr_scheduler, params=store_of(model))
+    store = store_of(model)
+    if not isinstance(config, Config):  # DeepSpeed's batch rule counts the ranks
+        config = from_deepspeed(config, model=model, world_size=(store.group if store else current_group()).world_size)
+    engine = Engine(model, config, model_parameters, lr_scheduler, params=store)
     loader = None
     if training_data is not None:
         batch = config.train_micro_batch_size_per_gpu
