@@ -1,7 +1,8 @@
 """The engine as DeepSpeed's where a script or Hugging Face's Trainer calls
 it: the engine's queries, ``load_checkpoint``'s arguments and meaning, the
 step counters, checkpoints that load as plain data and are checked before
-anything changes, the files DeepSpeed's ``zero_to_fp32.py`` reads, and
+anything changes, the files DeepSpeed's ``zero_to_fp32.py`` reads, the
+Trainer's calls (and the Trainer itself), and
 ``GatheredParameters(modifier_rank=r)`` over two ranks."""
 
 import copy
@@ -18,7 +19,6 @@ import torch
 import torch.nn as nn
 
 import tierflow
-from tierflow.zero import GatheredParameters
 from tierflow.zero.engine import Engine
 
 from test_zero import TinyLM, batches, ds_config, make_engine, model_bytes, stage2_config, tierflow_losses
