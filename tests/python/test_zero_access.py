@@ -227,3 +227,83 @@ def test_frozen_parameters_leave_the_device_as_the_backward_passes_them(tmp_path
             torch.testing.assert_close(engine.module(x), plain(x), rtol=1e-5, atol=1e-6)
     finally:
         engine.close()
+
+
+class Shared(nn.Module):
+    """One weight used in two reentrant checkpoint segments (two backwards of
+    its own, two gradient hooks per micro-batch), and a head of its own."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.shared = nn.Linear(d, d)
+        self.mid = nn.Linear(d, d)
+        self.head = nn.Linear(d, 1)
+        self.reentrant = False
+
+    def segment(self, x):
+        return torch.tanh(self.shared(x))
+
+    def forward(self, x):
+        run = (lambda f, h: torch.utils.checkpoint.checkpoint(f, h, use_reentrant=True)) if self.reentrant \
+            else (lambda f, h: f(h))
+        h = run(self.segment, x.requires_grad_() if self.reentrant else x)
+        h = torch.tanh(self.mid(h))
+        h = run(self.segment, h)
+        return self.head(h).square().mean()
+
+
+@pytest.mark.parametrize("case", ["two_backwards", "reentrant_checkpointing"])
+def test_the_overlapped_step_steps_each_parameter_once_on_its_whole_gradient(tmp_path, case):
+    """Two engine.backward calls per micro-batch, or a weight whose gradient
+    hook fires in two reentrant segments: the overlapped step waits for the
+    last gradient of each parameter, and trains as the synchronous step and
+    as torch do, to the bit."""
+    steps, d = 4, 32
+    torch.manual_seed(0)
+    reference = Shared(d)
+    reference.reentrant = case == "reentrant_checkpointing"
+    xs = [torch.randn(4, d) for _ in range(steps)]
+    runs = {}
+    for overlap in (True, False):
+        model = copy.deepcopy(reference)
+        config = config_for(tmp_path / str(overlap))
+        config.setdefault("tierflow", {})["overlap_step"] = overlap
+        engine, *_ = tierflow.initialize(model=model, config=config)
+        try:
+            for x in xs:
+                if case == "two_backwards":
+                    engine.backward(engine(x))
+                    engine.backward(engine(x * 0.5))
+                else:
+                    engine.backward(engine(x))
+                engine.step()
+            runs[overlap] = ({k: v.clone() for k, v in engine.module.state_dict().items()}, engine._overlap)
+        finally:
+            engine.close()
+    assert runs[True][1] is not None and runs[True][1].overlapped > 0, "the step never overlapped the backward"
+    for name, value in runs[False][0].items():
+        assert torch.equal(runs[True][0][name], value), name
+    opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    for x in xs:
+        reference(x).backward()
+        if case == "two_backwards":
+            reference(x * 0.5).backward()
+        opt.step()
+        opt.zero_grad()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(runs[True][0][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_gradient_after_a_parameters_overlapped_step_is_refused_naming_it(tmp_path):
+    torch.manual_seed(0)
+    model = Shared()
+    engine, *_ = tierflow.initialize(model=model, config=config_for(tmp_path))
+    try:
+        x = torch.randn(4, 32)
+        engine.backward(engine(x))
+        engine.step()  # one backward a micro-batch, recorded
+        engine.backward(engine(x))  # the parameters are stepped during this one
+        with pytest.raises(RuntimeError, match=r"parameter 'head\.(weight|bias)' got another gradient after its optimizer step"):
+            engine.backward(engine(x))
+    finally:
+        engine.close()

@@ -323,6 +323,8 @@ class Engine:
         an evaluation reads the newest values and gives the device back."""
         training = self.module.training and torch.is_grad_enabled()
         if starting:
+            if self._overlap is not None:  # a forward before step(): the steps of a backward end first
+                self._overlap.wait()
             if training:
                 self.params.begin_iteration()
             else:
