@@ -307,3 +307,39 @@ def test_a_gradient_after_a_parameters_overlapped_step_is_refused_naming_it(tmp_
             engine.backward(engine(x))
     finally:
         engine.close()
+
+
+_NEVER_CLOSED = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import tierflow
+from tierflow.torch.optim import AdamW, Muon, ZenFlow
+from test_zero import TinyLM, batches, ds_config
+torch.manual_seed(0)
+config = ds_config({nvme!r})
+engine, *_ = tierflow.initialize(model=TinyLM(), config=config)
+x, y = batches(1)[0]
+engine.backward(engine(x, y))
+engine.step()
+with tierflow.zero.Init(config=config):
+    unused = torch.nn.Linear(64, 64)  # built into a store no engine took
+w = torch.nn.Parameter(torch.randn(32, 32))
+w.grad = torch.randn(32, 32)
+for opt in (AdamW([w], offload="nvme", nvme_dir={nvme!r}), Muon([w]), ZenFlow([w], zenflow={{"topk_ratio": 0.5}})):
+    opt.step()
+print("trained")
+"""
+
+
+def test_a_script_that_never_closes_its_engine_exits_silently_and_leaves_no_files(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    nvme = tmp_path / "nvme"
+    script = _NEVER_CLOSED.format(tests=os.path.dirname(__file__), nvme=str(nvme))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "trained", out.stderr
+    assert out.stderr == "", out.stderr  # no "nanobind: leaked ..." lines, nothing else
+    left = [os.path.join(d, f) for d, _, files in os.walk(nvme) for f in files]
+    assert left == [], left

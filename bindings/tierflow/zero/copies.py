@@ -17,13 +17,26 @@ import threading
 
 import torch
 
-from tierflow import _core
+from tierflow import _core, _lifetime
 
 __all__ = ["copy_into", "norm_sq"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _lock = threading.Lock()
 _executor: _core.Executor | None = None
+
+
+class _SharedExecutor:
+    """Lets go of the shared executor at interpreter exit (tierflow._lifetime)."""
+
+    def _release_native(self) -> None:
+        global _executor
+        with _lock:
+            _executor = None
+
+
+_releaser = _SharedExecutor()
+_lifetime.track(_releaser)
 
 
 def _shared_executor() -> _core.Executor:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from tierflow import _lifetime
 from tierflow.config import AUTO, AdamConfig, Config, MuonConfig, from_deepspeed
 from tierflow.zero import checkpoint as _checkpoint
 from tierflow.zero import copies
@@ -166,6 +167,7 @@ class Engine:
                 self.params.close()
             raise
         self._overlap = OverlappedStep(self.params, self.optimizer) if overlappable(self) else None
+        _lifetime.track(self)
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
                 else lr_scheduler
@@ -610,6 +612,9 @@ class Engine:
             self.zenflow.finish()
         elif self._in_place_zenflow is not None:
             self._in_place_zenflow.finish()
+
+    def _release_native(self) -> None:
+        self.close()  # at interpreter exit (tierflow._lifetime): a script need not close its engine
 
     def close(self) -> None:
         """Releases the store and the optimizer's files (idempotent)."""

@@ -50,7 +50,7 @@ from typing import Any, Iterator
 
 import torch
 
-from tierflow import _core
+from tierflow import _core, _lifetime
 from tierflow.errors import TierflowError
 from tierflow.zero.comm import Group
 from tierflow.zero.copies import copy_into, norm_sq
@@ -288,6 +288,7 @@ class ParamStore:
         self._retiring: collections.deque = collections.deque()  # (event, device lease) released on a GPU
         self.in_iteration = False
         self.closed = False
+        _lifetime.track(self)
 
     # ---- registration -------------------------------------------------------------------------
 
@@ -769,6 +770,9 @@ class ParamStore:
                 part.param.__class__ = torch.nn.Parameter
             for key in ("ds_shape", "ds_numel", "ds_id", "ds_name", "_tierflow_part"):
                 part.param.__dict__.pop(key, None)
+
+    def _release_native(self) -> None:
+        self.close()  # at interpreter exit (tierflow._lifetime)
 
     def close(self) -> None:
         """Ends every lease and closes the store (its files are removed). The

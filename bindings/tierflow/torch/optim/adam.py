@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from tierflow import _core
+from tierflow import _core, _lifetime
 from tierflow.torch.optim import _device
 
 __all__ = ["Adam", "AdamW", "adam"]
@@ -365,6 +365,15 @@ class _NvmeState:
         if self._nvme is not None:
             self._nvme.close()
 
+    def _release_native(self) -> None:
+        """At interpreter exit (tierflow._lifetime): closes, and lets go of the C++ objects."""
+        self.close()
+        self._nvme = None
+        self._executor = None
+        for name in ("_cpu_slots", "_workspace"):  # Adam's kernel slots, Muon's workspace
+            if hasattr(self, name):
+                setattr(self, name, {} if name == "_cpu_slots" else None)
+
     def _pickle_nvme(self, own: dict[str, Any]) -> None:
         """Puts into ``own`` (the pickle's tierflow part) what makes the store
         again, and the state itself: a copy or a pickle carries it."""
@@ -627,6 +636,7 @@ class Adam(_NvmeState, Optimizer):
         self.last_step_skipped = False
         self._skipped_since_step: set[Tensor] = set()
         self._executor = _core.Executor(self.threads)
+        _lifetime.track(self)
         self._nvme: _core.OffloadedAdam | None = None
         self._slots: dict[Tensor, int] = {}
         self._cpu_slots: dict[Tensor, _Slot] = {}

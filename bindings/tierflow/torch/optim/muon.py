@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from tierflow import _core
+from tierflow import _core, _lifetime
 from tierflow.torch.optim.adam import (
     _LOW_PRECISION,
     MASTER_KEY,
@@ -293,6 +293,7 @@ class Muon(_NvmeState, Optimizer):
         self.threads = threads if threads is not None else torch.get_num_threads()
         self._executor = _core.Executor(self.threads)
         self._workspace = _core.MuonWorkspace()
+        _lifetime.track(self)
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from tierflow import _core
+from tierflow import _core, _lifetime
 from tierflow.torch.optim.adam import (_PAGE, _check_hyper_parameters, _check_offload, _nvme_sizes, _save_file,
                                         _scalar)
 from tierflow.torch.optim.muon import _ADJUST_LR_FNS, muon_param_groups
@@ -250,6 +250,7 @@ class ZenFlow(Optimizer):
             "decoupled_weight_decay": decoupled_weight_decay,
         }
         self._engine: _core.ZenFlowEngine | None = None
+        _lifetime.track(self)
         self._engine_params: list[Tensor] = []
         self._layout: tuple | None = None
         self._pending: tuple[dict[int, dict[str, Tensor]], dict[str, Any] | None] | None = None
@@ -349,6 +350,12 @@ class ZenFlow(Optimizer):
             self._drop_engine()
             self._pending = None
             self._closed = True
+
+    def _release_native(self) -> None:
+        """At interpreter exit (tierflow._lifetime): the engine's window ends
+        (its state as a close leaves it) and the C++ engine goes."""
+        self._drop_engine()
+        self._pending = None
 
     def zenflow_stats(self) -> dict[str, Any]:
         """The engine's counters (steps, CPU steps, refreshes, waits) and its
