@@ -5,8 +5,10 @@
 #   scripts/setup.sh            system packages (build, test, fio as the I/O peer,
 #                               clang-16 for the thread-safety analysis), and .venv/
 #                               with torch, the Python test tools, the training
-#                               example's plot and progress bar (matplotlib, tqdm)
-#                               and the tierflow package built from this tree
+#                               example's plot and progress bar (matplotlib, tqdm),
+#                               the peers the tests check against (deepspeed,
+#                               transformers, accelerate) and the tierflow
+#                               package built from this tree
 #   scripts/setup.sh --bench    also the Python benchmark peers (deepspeed) in .venv/
 #                               and libaio-dev, which DeepSpeed's NVMe offload builds on
 set -euo pipefail
@@ -60,6 +62,12 @@ fi
 # examples/train_gpt.py, the main job: its loss plot and its progress bar.
 if ! "$venv_python" -c 'import matplotlib, tqdm' 2>/dev/null; then
   "$venv_python" -m pip install -q matplotlib tqdm
+fi
+# The peers the Python tests prove the engine against, from PyPI: DeepSpeed
+# (its zero_to_fp32.py reads the engine's checkpoints), Hugging Face's
+# transformers and accelerate (the Trainer's calls into a DeepSpeed engine).
+if ! "$venv_python" -c 'import deepspeed, transformers, accelerate' 2>/dev/null; then
+  "$venv_python" -m pip install -q deepspeed transformers accelerate
 fi
 # The package: pyproject.toml builds the CMake project (the extension target
 # only) in build/python, reused by the next install; no build isolation, so

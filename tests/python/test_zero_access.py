@@ -343,3 +343,32 @@ def test_a_script_that_never_closes_its_engine_exits_silently_and_leaves_no_file
     assert out.stderr == "", out.stderr  # no "nanobind: leaked ..." lines, nothing else
     left = [os.path.join(d, f) for d, _, files in os.walk(nvme) for f in files]
     assert left == [], left
+
+
+def test_zero_init_with_zenflow_on_nvme_trains_and_a_tied_heads_own_weight_is_forgotten(tmp_path):
+    """zero.Init + ZenFlow + offload_optimizer nvme once failed at the first
+    step (zero.Init homed the gradients on NVMe, where ZenFlow cannot read
+    them); and the head's own weight, which TinyLM replaces by the
+    embedding's, stayed in the store to be stepped and saved."""
+    from test_zero import TinyLM, batches
+
+    config = ds_config(tmp_path / "nvme", gas=1, host_memory=16 << 20, device_memory=1 << 20)
+    config["zero_optimization"]["zenflow"] = {"topk_ratio": 0.1, "update_interval": 2, "select_interval": 2,
+                                              "overlap_step": False}
+    torch.manual_seed(0)
+    with tierflow.zero.Init(config=config):
+        model = TinyLM()
+    assert len(tierflow.zero.init.store_of(model).parts) == 28  # the head's own weight too, before the tie
+    engine, *_ = tierflow.initialize(model=model, config=config)
+    try:
+        assert len(engine.params.parts) == len({id(p) for p in model.parameters()}) == 27
+        losses = []
+        for x, y in batches(4):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+        assert sorted(engine.module.state_dict()) == sorted(TinyLM().state_dict())
+    finally:
+        engine.close()

@@ -7,6 +7,8 @@ reported by name as not used (``known.py`` says which and why)."""
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 import difflib
 import json
@@ -827,4 +829,5 @@ def from_deepspeed(path_or_dict: str | os.PathLike[str] | Mapping[str, Any], *, 
         world_size=world_size, gradient_clipping=clipping, optimizer=optimizer_config, scheduler=scheduler,
         zero=zero, aio=aio, fp16=fp16, bf16=bf16, tierflow=options, model=run.model,
         unresolved=tuple(run.unresolved), not_used=tuple(run.not_used), sources=dict(run.sources),
+        deepspeed=copy.deepcopy(dict(data)),
     )

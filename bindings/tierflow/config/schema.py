@@ -298,6 +298,20 @@ class Config:
     unresolved: tuple[str, ...] = field(default=(), compare=False)
     not_used: tuple[UnusedKey, ...] = field(default=(), compare=False)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+    deepspeed: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # DeepSpeed's engine.config is the config dict itself, and trainers read
+    # it so (Hugging Face's Trainer: engine.config.get("zero_optimization")):
+    # the keys as the config gave them, "auto" and all.
+    def get(self, key: str, default: Any = None) -> Any:
+        """The DeepSpeed config's own value of top-level ``key`` (as given), or ``default``."""
+        return self.deepspeed.get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.deepspeed[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.deepspeed
 
     @property
     def precision(self) -> Literal["bf16", "fp16", "fp32"] | _Auto:

@@ -215,6 +215,15 @@ class Engine:
                 mark(p, params)
             else:
                 part.name, part.persistent = name, info.persistent
+        # A parameter zero.Init stored that the model no longer has (a tied
+        # head's own weight, replaced by the embedding's): not trained, saved
+        # or counted.
+        params.keep_only({id(p) for _, _, p in parameters_of(model)})
+        if params.device.type == "cuda":  # the model's buffers (norm statistics, position ids) beside it
+            for module in model.modules():
+                for key, buffer in module._buffers.items():
+                    if buffer is not None and buffer.device != params.device:
+                        module._buffers[key] = buffer.to(params.device)
         self.hooks = ModuleHooks(model, params, self._on_grad, self._model_forward)
 
     def _check_optimizer(self) -> None:
@@ -334,13 +343,15 @@ class Engine:
         elif not training:
             self.params.release_all(keep_persistent=self.params.in_iteration)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` / gradient_accumulation_steps (× the loss scale
-        under fp16); at stage 3 each gradient goes to the store as it is made.
-        Returns the loss, unscaled."""
+        under fp16); with ``scale_wrt_gas`` false (DeepSpeed's keyword, which
+        Hugging Face's Trainer gives when it has divided the loss itself) the
+        loss is not divided. At stage 3 each gradient goes to the store as it
+        is made. Returns the loss, unscaled."""
         start = time.perf_counter()
         try:
-            scale = 1.0 / self._gradient_accumulation_steps
+            scale = 1.0 / self._gradient_accumulation_steps if scale_wrt_gas else 1.0
             if self.scaler is not None:
                 scale *= self.scaler.scale
             self._need_norm = self.is_gradient_accumulation_boundary() and (

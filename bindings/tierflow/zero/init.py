@@ -77,7 +77,8 @@ def _plan_without_model(config: Config) -> Plan:
     if z.stage != 3:
         raise ValueError(f"zero_optimization.stage: {z.stage}; tierflow.zero.Init builds a model for stage 3")
     param_home = "nvme" if z.offload_param.device == "nvme" else "host"
-    grad_home = "nvme" if z.offload_optimizer.device == "nvme" else "host"
+    # As make_plan homes them: ZenFlow reads every gradient in host memory at once.
+    grad_home = "nvme" if z.offload_optimizer.device == "nvme" and z.zenflow is None else "host"
     optimizer_offload = "nvme" if z.offload_optimizer.device == "nvme" else "cpu"
     nvme_dir = (z.offload_param.nvme_path if param_home == "nvme" else None) or \
         (z.offload_optimizer.nvme_path if grad_home == "nvme" else None) or t.nvme_dir

@@ -329,6 +329,23 @@ class ParamStore:
                               ds_name=name, _tierflow_part=weakref.ref(part))
         return part
 
+    def keep_only(self, param_ids: set[int]) -> None:
+        """Forgets the partitions whose parameter is not among ``param_ids``
+        (a tied head's own weight that zero.Init stored before the model tied
+        it): they are neither stepped, saved nor fetched. Their blocks keep
+        their room in the store, which removes no block before it closes."""
+        orphans = [part for part in self.parts if id(part.param) not in param_ids]
+        if not orphans:
+            return
+        for part in orphans:
+            self.release(part)
+            self._by_id.pop(id(part.param), None)
+            part.param.__dict__.pop("_tierflow_store", None)
+        self.parts = [part for part in self.parts if id(part.param) in param_ids]
+        for index, part in enumerate(self.parts):
+            part.index = index
+            part.param.__dict__["ds_id"] = index
+
     # ---- views --------------------------------------------------------------------------------
 
     def _bytes(self, lease: Any) -> torch.Tensor:
