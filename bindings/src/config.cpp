@@ -94,13 +94,7 @@ nb::dict zenflow_config(const nb::dict& section) {
 nb::dict aio_config(const nb::dict& section) {
   nlohmann::json whole = nlohmann::json::object();
   whole["aio"] = to_json(section, "aio");
-  const io::engine_config c = io::parse_config(whole.dump());
-  nb::dict out;
-  out["block_size"] = c.block_size;
-  out["queue_depth"] = c.queue_depth;
-  out["threads"] = c.threads;
-  out["submit_batch"] = c.submit_batch;
-  return out;
+  return engine_options_of(io::parse_config(whole.dump()));
 }
 
 std::uint64_t size_of(const std::string& text, const std::string& what) { return parse_size(text, what); }
