@@ -4,6 +4,7 @@ parameter whose values are away, frozen parameters in the backward. Each of
 these once gave a silently wrong result (or a budget error); each test here
 compares against the same model in plain torch."""
 
+import contextlib
 import copy
 
 import pytest
@@ -372,3 +373,28 @@ def test_zero_init_with_zenflow_on_nvme_trains_and_a_tied_heads_own_weight_is_fo
         assert sorted(engine.module.state_dict()) == sorted(TinyLM().state_dict())
     finally:
         engine.close()
+
+
+def test_a_bf16_step_with_non_finite_gradients_is_skipped_as_deepspeeds_check_grad_overflow(tmp_path):
+    """bf16.check_grad_overflow (DeepSpeed's default true): a step whose
+    gradient norm is not finite changes nothing and counts as skipped; with
+    it false the step goes ahead (and the weights are no longer finite)."""
+    results = {}
+    for check in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))
+        config = config_for(tmp_path / str(check), bf16={"enabled": True, "check_grad_overflow": check})
+        engine, *_ = tierflow.initialize(model=model, config=config)
+        try:
+            before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+            x = torch.randn(4, 16, dtype=torch.bfloat16)
+            with pytest.warns(RuntimeWarning, match="check_grad_overflow") if check else contextlib.nullcontext():
+                engine.backward(engine(x).float().sum() * float("inf"))
+                engine.step()
+            after = engine.module.state_dict()
+            results[check] = (engine.skipped_steps, engine.global_steps,
+                              all(torch.equal(before[k], after[k]) for k in before))
+        finally:
+            engine.close()
+    assert results[True] == (1, 1, True)
+    assert results[False][0] == 0 and not results[False][2]

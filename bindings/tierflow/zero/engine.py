@@ -127,6 +127,9 @@ class Engine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         f = config.fp16
+        # Whether a step with a non-finite gradient norm is skipped (which
+        # needs the norm): fp16's loss scale, and bf16.check_grad_overflow.
+        self.checks_overflow = precision == "fp16" or (precision == "bf16" and config.bf16.check_grad_overflow)
         self.scaler = LossScaler(f.initial_scale, f.dynamic, f.loss_scale_window, f.hysteresis,
                                  f.min_loss_scale) if precision == "fp16" else None
         self.plan: Plan | None = None
@@ -266,7 +269,10 @@ class Engine:
 
             zf = {k: getattr(z.zenflow, k) for k in ("topk_ratio", "select_strategy", "select_interval",
                                                       "update_interval", "overlap_step", "auto_ratio",
-                                                      "full_warm_up_rounds", "pt_reserved_cores_perc")}
+                                                      "full_warm_up_rounds", "pt_reserved_cores_perc",
+                                                      "importance_norm")}
+            if z.zenflow.steps_per_epoch is not None:
+                zf["steps_per_epoch"] = z.zenflow.steps_per_epoch
             options = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
                            decoupled_weight_decay=opt.decoupled_weight_decay, zenflow=zf, threads=threads,
                            **self._optimizer_nvme())
@@ -355,7 +361,7 @@ class Engine:
             if self.scaler is not None:
                 scale *= self.scaler.scale
             self._need_norm = self.is_gradient_accumulation_boundary() and (
-                self.gradient_clipping > 0 or self.scaler is not None)
+                self.gradient_clipping > 0 or self.checks_overflow)
             try:
                 (loss * scale).backward(retain_graph=retain_graph)
             finally:
@@ -421,8 +427,13 @@ class Engine:
                               f"skipped and the loss scale is now {self.scaler.scale:g}", RuntimeWarning,
                               stacklevel=3)
                 return 0.0, False
+        elif overflow and self.checks_overflow:  # bf16.check_grad_overflow, as DeepSpeed's: no scale to lower
+            self.skipped_steps += 1
+            warnings.warn(f"tierflow: non-finite bf16 gradients at step {self.global_steps + 1}; the step is "
+                          "skipped (bf16.check_grad_overflow)", RuntimeWarning, stacklevel=3)
+            return 0.0, False
         norm = math.sqrt(norm_sq) / ls if finite else math.inf
-        self.last_grad_norm = norm if (self.gradient_clipping > 0 or self.scaler is not None) else None
+        self.last_grad_norm = norm if (self.gradient_clipping > 0 or self.checks_overflow) else None
         factor = 1.0 / ls
         if self.gradient_clipping > 0 and norm > self.gradient_clipping:
             factor *= self.gradient_clipping / (norm + 1e-6)
@@ -431,7 +442,7 @@ class Engine:
     def _step_partitioned(self) -> bool:
         params = self.params
         factor, go = 1.0, True
-        if self.gradient_clipping > 0 or self.scaler is not None:
+        if self.gradient_clipping > 0 or self.checks_overflow:
             norm_sq, finite = self._norm_sq, self._finite
             for part in params.parts:  # gradients the last micro-batch did not touch
                 if not part.grad_empty and part.index not in self._norm_counted:
@@ -473,7 +484,7 @@ class Engine:
             (p for g in self.optimizer.param_groups for p in g["params"])
         grads = [p for p in stepped if p.grad is not None]
         go = True
-        if self.gradient_clipping > 0 or self.scaler is not None:
+        if self.gradient_clipping > 0 or self.checks_overflow:
             norm_sq = sum(copies.norm_sq(p.grad) for p in grads)
             factor, go = self._clip_factor(norm_sq, math.isfinite(norm_sq))
             if go and factor != 1.0 and self.zenflow is None:

@@ -130,7 +130,8 @@ class OverlappedStep:
 
 def overlappable(engine: Any) -> bool:
     """Whether ``engine``'s boundary step may run during its backward: stage 3,
-    no gradient clipping, no fp16 loss scale, the plain Adam/AdamW step, and
+    no gradient clipping, no overflow check (fp16's loss scale,
+    bf16.check_grad_overflow), the plain Adam/AdamW step, and
     ``tierflow.overlap_step`` on."""
-    return (engine.params is not None and engine.gradient_clipping == 0 and engine.scaler is None
+    return (engine.params is not None and engine.gradient_clipping == 0 and not engine.checks_overflow
             and engine.config.zero.zenflow is None and engine.config.tierflow.overlap_step)
