@@ -21,7 +21,7 @@ import torch
 from tierflow.config import AUTO, Config, from_deepspeed
 from tierflow.zero.access import ParameterAccess
 from tierflow.zero.partition import ParamStore
-from tierflow.zero.plan import PAGE, Plan, format_bytes, pages, scheduler_settings
+from tierflow.zero.plan import PAGE, Plan, format_bytes, homes_of, pages, scheduler_settings
 
 __all__ = ["Init", "GatheredParameters", "store_of"]
 
@@ -76,12 +76,9 @@ def _plan_without_model(config: Config) -> Plan:
     z, t = config.zero, config.tierflow
     if z.stage != 3:
         raise ValueError(f"zero_optimization.stage: {z.stage}; tierflow.zero.Init builds a model for stage 3")
-    param_home = "nvme" if z.offload_param.device == "nvme" else "host"
-    # As make_plan homes them: ZenFlow reads every gradient in host memory at once.
-    grad_home = "nvme" if z.offload_optimizer.device == "nvme" and z.zenflow is None else "host"
-    optimizer_offload = "nvme" if z.offload_optimizer.device == "nvme" else "cpu"
-    nvme_dir = (z.offload_param.nvme_path if param_home == "nvme" else None) or \
-        (z.offload_optimizer.nvme_path if grad_home == "nvme" else None) or t.nvme_dir
+    homes = homes_of(config)  # as make_plan homes them, the model or not
+    param_home, grad_home = homes.param_home, homes.grad_home
+    optimizer_offload, nvme_dir = homes.optimizer_offload, homes.nvme_dir
     cap = _available_memory() // 4
     if t.device_memory is not None:
         device = int(t.device_memory)

@@ -237,6 +237,35 @@ def _resolved(value: Any, default: int) -> int:
     return default if value is AUTO else int(value)
 
 
+@dataclass(frozen=True)
+class Homes:
+    """Where a stage-3 run keeps its blocks, from the config alone: the
+    parameters and gradients ("host" or "nvme"), the optimizer's state
+    ("cpu" or "nvme"), and the one directory of the store's NVMe files (or
+    None). make_plan and zero.Init (before the model exists) both read it."""
+
+    param_home: str
+    grad_home: str
+    optimizer_offload: str
+    nvme_dir: str | None
+
+
+def homes_of(config: Config) -> Homes:
+    """:class:`Homes` under ``config``. Gradients go to NVMe with the
+    optimizer's state, except under ZenFlow, which reads them all in host
+    memory at once. One store has one NVMe tier: its files go to the
+    parameters' directory, else the optimizer's, else ``tierflow.nvme_dir``."""
+    z = config.zero
+    param_home = "nvme" if z.offload_param.device == "nvme" else "host"
+    grad_home = "nvme" if z.offload_optimizer.device == "nvme" and z.zenflow is None else "host"
+    optimizer_offload = "nvme" if z.offload_optimizer.device == "nvme" else "cpu"
+    nvme_dir = (z.offload_param.nvme_path if param_home == "nvme" else None) or \
+        (z.offload_optimizer.nvme_path if grad_home == "nvme" else None)
+    if nvme_dir is None and "nvme" in (param_home, grad_home, optimizer_offload):
+        nvme_dir = config.tierflow.nvme_dir
+    return Homes(param_home, grad_home, optimizer_offload, nvme_dir)
+
+
 def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] | None = None,
               world_size: int = 1) -> Plan:
     """The plan of ``model`` under ``config`` (stage 3) for one of
@@ -255,15 +284,9 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
     dtype = _DTYPES[precision]
     element = torch.empty((), dtype=dtype).element_size()
     z = config.zero
-    param_home = "nvme" if z.offload_param.device == "nvme" else "host"
-    grad_home = "nvme" if z.offload_optimizer.device == "nvme" and z.zenflow is None else "host"
-    optimizer_offload = "nvme" if z.offload_optimizer.device == "nvme" else "cpu"
-    nvme_dirs = {d for d in (z.offload_param.nvme_path if param_home == "nvme" else None,
-                             z.offload_optimizer.nvme_path if grad_home == "nvme" else None) if d}
-    nvme_dir = sorted(nvme_dirs)[0] if nvme_dirs else None
-    if len(nvme_dirs) > 1:
-        # One store, one NVMe tier: both offloads' files go to the parameters' directory.
-        nvme_dir = z.offload_param.nvme_path
+    homes = homes_of(config)
+    param_home, grad_home = homes.param_home, homes.grad_home
+    optimizer_offload, nvme_dir = homes.optimizer_offload, homes.nvme_dir
 
     threshold = _resolved(z.stage3_param_persistence_threshold, 100_000)
     named = _named_params(model)
@@ -378,8 +401,6 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
             sources["optimizer"] = "offload_optimizer.buffer_count × sub_group_size"
         if zenflow_bytes is not None and zenflow_nvme is None:
             sources["optimizer"] = "ZenFlow's state, beside the store's host tier"
-    if (param_home == "nvme" or grad_home == "nvme" or optimizer_offload == "nvme") and nvme_dir is None:
-        nvme_dir = t.nvme_dir
     prefetch_share, evict_distance = scheduler_settings(z, element, device_budget,
                                                         sum(i.numel for i in infos) / max(1, len(infos)))
     return Plan(compute_dtype=dtype, param_home=param_home, grad_home=grad_home,
