@@ -31,8 +31,10 @@ def test_two_ranks_train_the_main_job_and_rank_0_writes_its_outputs(tmp_path):
     for name in ("loss.png", "trace.json", "ds_config.json"):
         assert (out / name).stat().st_size > 0, name
     tag = out / "checkpoint" / "global_step3"
-    assert sorted(p.name for p in tag.iterdir()) == ["engine.pt", "model.safetensors", "optimizer.rank0",
-                                                     "optimizer.rank1"]
+    # tierflow's files, and each rank's pair that DeepSpeed's zero_to_fp32.py reads.
+    assert sorted(p.name for p in tag.iterdir()) == [
+        "engine.pt", "model.safetensors", "optimizer.rank0", "optimizer.rank1",
+        *(f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1) for kind in ("model", "optim"))]
     # Rank 0 speaks for the run: one summary, not two.
     assert done.stdout.count("checkpoint: ") == 1
 
