@@ -55,7 +55,12 @@ class _Self:
 _SELF = _Self()
 
 
+_aliases_made = 0  # none yet: a call's tensors need no look for one (every call of a forward asks)
+
+
 def _alias(part: Partition, chain: tuple) -> torch.Tensor:
+    global _aliases_made
+    _aliases_made += 1
     t = torch.empty(0, dtype=part.dtype, device=part.placeholder.device)
     t.__dict__[_ALIAS] = (part, chain)
     return t
@@ -89,6 +94,20 @@ class _Writes(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _tensors_of(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among a call's arguments, and in its lists and tuples:
+    where torch functions take tensors. (Every call of a forward comes here:
+    a plain loop, not a pytree walk.)"""
+    out = []
+    for group in (args, kwargs.values()):
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                out.append(a)
+            elif isinstance(a, (list, tuple)):
+                out.extend(b for b in a if isinstance(b, torch.Tensor))
+    return out
+
+
 class ParameterAccess(TorchFunctionMode):
     """Gives a torch call the values of the store's parameters it uses (see
     the module's docstring). ``keep``: a forward's access, which fetches onto
@@ -110,10 +129,9 @@ class ParameterAccess(TorchFunctionMode):
         for each tensor of the call whose values are in the store."""
         found = []
         params = self.params
-        for a in tree_flatten((args, kwargs))[0]:
-            if not isinstance(a, torch.Tensor):
-                continue
-            alias = a.__dict__.get(_ALIAS) if type(a) is torch.Tensor else None
+        look = _aliases_made > 0
+        for a in _tensors_of(args, kwargs):
+            alias = a.__dict__.get(_ALIAS) if look and type(a) is torch.Tensor else None
             if alias is not None:  # replayed on the values, gathered meanwhile or not
                 found.append((a, alias[0], alias[1]))
                 continue
