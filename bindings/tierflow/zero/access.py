@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from tierflow.zero.partition import ParamStore, Partition, data_of, set_data
+from tierflow.zero.partition import ParamStore, Partition, data_of, set_data, tensors_in
 
 __all__ = ["ParameterAccess"]
 
@@ -94,20 +94,6 @@ class _Writes(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _tensors_of(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors among a call's arguments, and in its lists and tuples:
-    where torch functions take tensors. (Every call of a forward comes here:
-    a plain loop, not a pytree walk.)"""
-    out = []
-    for group in (args, kwargs.values()):
-        for a in group:
-            if isinstance(a, torch.Tensor):
-                out.append(a)
-            elif isinstance(a, (list, tuple)):
-                out.extend(b for b in a if isinstance(b, torch.Tensor))
-    return out
-
-
 class ParameterAccess(TorchFunctionMode):
     """Gives a torch call the values of the store's parameters it uses (see
     the module's docstring). ``keep``: a forward's access, which fetches onto
@@ -130,7 +116,7 @@ class ParameterAccess(TorchFunctionMode):
         found = []
         params = self.params
         look = _aliases_made > 0
-        for a in _tensors_of(args, kwargs):
+        for a in tensors_in(args, kwargs):
             alias = a.__dict__.get(_ALIAS) if look and type(a) is torch.Tensor else None
             if alias is not None:  # replayed on the values, gathered meanwhile or not
                 found.append((a, alias[0], alias[1]))

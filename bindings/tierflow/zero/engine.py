@@ -360,8 +360,7 @@ class Engine:
             scale = 1.0 / self._gradient_accumulation_steps if scale_wrt_gas else 1.0
             if self.scaler is not None:
                 scale *= self.scaler.scale
-            self._need_norm = self.is_gradient_accumulation_boundary() and (
-                self.gradient_clipping > 0 or self.checks_overflow)
+            self._need_norm = self.is_gradient_accumulation_boundary() and self.needs_norm
             try:
                 (loss * scale).backward(retain_graph=retain_graph)
             finally:
@@ -381,6 +380,13 @@ class Engine:
             self._norm_sq += sq
             self._finite = self._finite and finite
             self._norm_counted.add(part.index)
+
+    @property
+    def needs_norm(self) -> bool:
+        """Whether a step needs the gradients' global norm: to clip them
+        (``gradient_clipping`` > 0), or to skip a non-finite step (fp16's loss
+        scale, ``bf16.check_grad_overflow``)."""
+        return self.gradient_clipping > 0 or self.checks_overflow
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` updates the parameters (what
@@ -433,7 +439,7 @@ class Engine:
                           "skipped (bf16.check_grad_overflow)", RuntimeWarning, stacklevel=3)
             return 0.0, False
         norm = math.sqrt(norm_sq) / ls if finite else math.inf
-        self.last_grad_norm = norm if (self.gradient_clipping > 0 or self.checks_overflow) else None
+        self.last_grad_norm = norm if self.needs_norm else None
         factor = 1.0 / ls
         if self.gradient_clipping > 0 and norm > self.gradient_clipping:
             factor *= self.gradient_clipping / (norm + 1e-6)
@@ -442,7 +448,7 @@ class Engine:
     def _step_partitioned(self) -> bool:
         params = self.params
         factor, go = 1.0, True
-        if self.gradient_clipping > 0 or self.checks_overflow:
+        if self.needs_norm:
             norm_sq, finite = self._norm_sq, self._finite
             for part in params.parts:  # gradients the last micro-batch did not touch
                 if not part.grad_empty and part.index not in self._norm_counted:
@@ -484,7 +490,7 @@ class Engine:
             (p for g in self.optimizer.param_groups for p in g["params"])
         grads = [p for p in stepped if p.grad is not None]
         go = True
-        if self.gradient_clipping > 0 or self.checks_overflow:
+        if self.needs_norm:
             norm_sq = sum(copies.norm_sq(p.grad) for p in grads)
             factor, go = self._clip_factor(norm_sq, math.isfinite(norm_sq))
             if go and factor != 1.0 and self.zenflow is None:
@@ -722,8 +728,8 @@ class Engine:
     def get_global_grad_norm(self) -> float | None:
         """The gradients' global L2 norm at the last boundary, before
         clipping and unscaled; None until a step computed it — the engine
-        computes it only when clipping (``gradient_clipping`` > 0) or under
-        fp16, as DeepSpeed's stages 1–2 return None when they do not."""
+        computes it only when it needs it (:attr:`needs_norm`), as DeepSpeed's
+        stages 1–2 return None when they do not."""
         return self.last_grad_norm
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:

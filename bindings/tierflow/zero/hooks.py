@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from tierflow.zero.access import ParameterAccess
-from tierflow.zero.partition import ParamStore, Partition, _Saved, data_of, set_data
+from tierflow.zero.partition import ParamStore, Partition, _Saved, data_of, in_backward, set_data
 
 __all__ = ["ModuleHooks", "saved_tensor_hooks", "in_backward", "register_external_parameter",
            "unregister_external_parameter"]
@@ -55,11 +55,6 @@ def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.P
     first forward is found again if the forward still uses it)."""
     found = module.__dict__.get(_EXTERNAL, [])
     module.__dict__[_EXTERNAL] = [p for p in found if p is not parameter]
-
-
-def in_backward() -> bool:
-    """Whether autograd is running a backward on this thread right now."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def saved_tensor_hooks(params: ParamStore) -> torch.autograd.graph.saved_tensors_hooks:

@@ -133,5 +133,5 @@ def overlappable(engine: Any) -> bool:
     no gradient clipping, no overflow check (fp16's loss scale,
     bf16.check_grad_overflow), the plain Adam/AdamW step, and
     ``tierflow.overlap_step`` on."""
-    return (engine.params is not None and engine.gradient_clipping == 0 and not engine.checks_overflow
+    return (engine.params is not None and not engine.needs_norm
             and engine.config.zero.zenflow is None and engine.config.tierflow.overlap_step)

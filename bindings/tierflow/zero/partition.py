@@ -94,7 +94,7 @@ class StoredParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if _values_needed(func):
-            for a in _tensors_in(args, kwargs):
+            for a in tensors_in(args, kwargs):
                 if type(a) is StoredParameter:
                     ref = a.__dict__.get("_tierflow_part")
                     part = ref() if ref is not None else None
@@ -111,7 +111,10 @@ class StoredParameter(torch.nn.Parameter):
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
 
-def _tensors_in(args: tuple, kwargs: dict | None) -> Iterator[torch.Tensor]:
+def tensors_in(args: tuple, kwargs: dict | None) -> Iterator[torch.Tensor]:
+    """The tensors among a torch call's arguments, and in its lists and
+    tuples (where torch functions take tensors): a plain loop, since every
+    call with a stored parameter, and every call of a forward, asks."""
     for group in (args, (kwargs or {}).values()):
         for a in group:
             if isinstance(a, torch.Tensor):
@@ -120,6 +123,11 @@ def _tensors_in(args: tuple, kwargs: dict | None) -> Iterator[torch.Tensor]:
                 for b in a:
                     if isinstance(b, torch.Tensor):
                         yield b
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread right now."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def data_of(param: torch.Tensor) -> torch.Tensor:
@@ -140,7 +148,7 @@ class Partition:
 
     __slots__ = ("param", "name", "index", "shape", "dtype", "numel", "nbytes", "block", "grad_block",
                  "persistent", "lease", "gathered", "grad_empty", "placeholder", "requires_grad",
-                 "shard_numel", "sharded", "step_param", "step_placeholder", "held", "__weakref__")
+                 "shard_numel", "sharded", "step_param", "step_placeholder", "standin", "held", "__weakref__")
 
     def __init__(self, param: torch.nn.Parameter, name: str, index: int, persistent: bool,
                  shard_numel: int | None = None) -> None:
@@ -168,8 +176,9 @@ class Partition:
         # (of the shard's shape), never the model's, which autograd and the
         # hooks touch meanwhile when the step overlaps the backward.
         one = torch.zeros(1, dtype=param.dtype, device=param.device)
-        self.step_placeholder = one.expand(shard_numel) if self.sharded else \
-            one.expand(param.shape) if param.dim() else one.reshape(())
+        # The parameter's shape over one element (ParamStore._away).
+        self.standin = one.expand(param.shape) if param.dim() else one.reshape(())
+        self.step_placeholder = one.expand(shard_numel) if self.sharded else self.standin
         self.step_param = torch.nn.Parameter(self.step_placeholder, requires_grad=param.requires_grad)
 
     @property
@@ -453,9 +462,8 @@ class ParamStore:
         read — what autograd saved is fetched again — and any computation
         with the parameter is still refused while it is away), until
         :meth:`settle` after the backward. Otherwise the empty placeholder."""
-        if part.requires_grad and (torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1):
-            return part.step_placeholder if not part.sharded else \
-                torch.zeros(1, dtype=part.dtype, device=part.placeholder.device).expand(part.shape)
+        if part.requires_grad and (torch.is_grad_enabled() or in_backward()):
+            return part.standin
         return part.placeholder
 
     def settle(self) -> None:
