@@ -80,7 +80,7 @@ def test_the_engine_answers_deepspeeds_queries_as_deepspeed(tmp_path):
         assert engine.train_batch_size() == 4 * 2 * 1
         assert engine.world_size == 1 and engine.global_rank == 0
         assert engine.local_rank == int(os.environ.get("LOCAL_RANK", 0))
-        cuda = engine.params.store.device_is_cuda
+        cuda = engine.runtime.params.store.device_is_cuda
         assert engine.device == (torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
         assert engine.zero_optimization_stage() == 3
         assert not engine.bfloat16_enabled() and not engine.fp16_enabled()

@@ -186,7 +186,7 @@ def test_the_step_overlapped_with_the_backward_is_the_synchronous_step_bit_for_b
         config["tierflow"]["overlap_step"] = overlap
         engine, *_ = tierflow.initialize(model=model, config=config)
         try:
-            assert (engine._overlap is not None) == overlap
+            assert (engine.runtime._overlap is not None) == overlap
             losses = tierflow_losses(engine, 6, gas=gas)
             state = {k: v.clone() for k, v in engine.module.state_dict().items()}
             stats = engine.memory_stats()
@@ -249,7 +249,7 @@ def test_prefetch_bucket_size_zero_turns_prefetch_into_the_device_off_as_in_deep
     engine, *_ = tierflow.initialize(model=TinyLM(), config=config)
     try:
         losses = tierflow_losses(engine, 3)
-        stats = engine.params.telemetry()
+        stats = engine.runtime.params.telemetry()
     finally:
         engine.close()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
@@ -272,7 +272,7 @@ def test_a_skipped_module_and_activation_checkpointing_train_on_correctly(tmp_pa
     engine, _ = make_engine(tmp_path, checkpoint=True, device_memory=model_bytes(TinyLM()) + (64 << 10))
     try:
         losses = tierflow_losses(engine, 6, skip_at=3)
-        stats = engine.params.scheduler.stats
+        stats = engine.runtime.params.scheduler.stats
     finally:
         engine.close()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
@@ -573,7 +573,7 @@ def test_stage_2_steps_the_model_in_place_as_torch_adamw(tmp_path, on_nvme):
     torch.manual_seed(0)
     engine, *_ = tierflow.initialize(model=TinyLM(), config=stage2_config(tmp_path / "nvme" if on_nvme else None))
     try:
-        assert engine.params is None and engine.optimizer.offload == ("nvme" if on_nvme else "cpu")
+        assert not engine.runtime.partitioned and engine.optimizer.offload == ("nvme" if on_nvme else "cpu")
         losses = tierflow_losses(engine, 12)
     finally:
         engine.close()
@@ -683,7 +683,7 @@ def test_stage_3_zenflow_trains_as_stage_2_within_a_measured_tolerance_of_adamw(
         losses = tierflow_losses(engine, 30)
         stats = engine.optimizer.zenflow_stats()
         store = engine.module.state_dict()  # after ZenFlow's finish
-        masters = {part.name: m for part, m in zip(engine.zenflow.parts, engine.zenflow.masters)}
+        masters = {part.name: m for part, m in zip(engine.runtime.zenflow.parts, engine.runtime.zenflow.masters)}
     finally:
         engine.close()
     assert stats["schedule"]["overlap_step"] and stats["cpu_steps"] >= 6
@@ -763,7 +763,7 @@ def test_a_bf16_model_at_stage_2_steps_zenflow_over_fp32_masters_as_stage_3_does
             config = zenflow3_config(tmp_path, _ZENFLOW_ON, device_memory=model_bytes(model) // 3, gas=1, **bf16)
         engine, *_ = tierflow.initialize(model=model, config=config)
         try:
-            assert type(engine.optimizer).__name__ == "ZenFlow" and engine.zenflow is not None
+            assert type(engine.optimizer).__name__ == "ZenFlow" and engine.runtime.zenflow is not None
             runs.append(tierflow_losses(engine, 12, gas=1))
             if stage == 2:
                 assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
@@ -874,7 +874,7 @@ def test_stage_3_bf16_zenflow_with_its_state_on_nvme_resumes_bit_for_bit(tmp_pat
         tierflow_losses(engine, 6)
         with state_never_gathered():
             engine.save_checkpoint(tmp_path / "ckpt")
-        saved = [m.detach().clone() for m in engine.zenflow.masters]
+        saved = [m.detach().clone() for m in engine.runtime.zenflow.masters]
         went_on = tierflow_losses(engine, 5, first=6)
     finally:
         engine.close()
@@ -883,7 +883,7 @@ def test_stage_3_bf16_zenflow_with_its_state_on_nvme_resumes_bit_for_bit(tmp_pat
     try:
         with state_never_gathered():
             engine.load_checkpoint(tmp_path / "ckpt")
-        assert all(torch.equal(a, b) for a, b in zip(saved, engine.zenflow.masters))
+        assert all(torch.equal(a, b) for a, b in zip(saved, engine.runtime.zenflow.masters))
         resumed = tierflow_losses(engine, 5, first=6)
     finally:
         engine.close()
@@ -972,7 +972,7 @@ def test_stage_3_zenflow_resumes_from_a_checkpoint(tmp_path, precision):
     try:
         tierflow_losses(engine, 10)
         engine.save_checkpoint(tmp_path / "ckpt")
-        saved = [m.detach().clone() for m in engine.zenflow.masters]
+        saved = [m.detach().clone() for m in engine.runtime.zenflow.masters]
         went_on = tierflow_losses(engine, 10, first=10)
     finally:
         engine.close()
@@ -980,12 +980,12 @@ def test_stage_3_zenflow_resumes_from_a_checkpoint(tmp_path, precision):
     try:
         path, _ = engine.load_checkpoint(tmp_path / "ckpt")
         assert engine.global_steps == 10 and engine.optimizer.zenflow_stats()["schedule"]["overlap_step"]
-        assert all(torch.equal(a, b) for a, b in zip(saved, engine.zenflow.masters))
+        assert all(torch.equal(a, b) for a, b in zip(saved, engine.runtime.zenflow.masters))
         resumed = tierflow_losses(engine, 10, first=10)
         sd = engine.module.state_dict()
         # load_state_dict of the model makes the masters again from its values.
         engine.module.load_state_dict({k: torch.zeros_like(v) if k == "ln.bias" else v for k, v in sd.items()})
-        zeroed = dict(zip((p.name for p in engine.zenflow.parts), engine.zenflow.masters))["ln.bias"]
+        zeroed = dict(zip((p.name for p in engine.runtime.zenflow.parts), engine.runtime.zenflow.masters))["ln.bias"]
         assert zeroed.abs().sum() == 0
     finally:
         engine.close()

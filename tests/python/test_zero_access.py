@@ -155,7 +155,7 @@ def test_register_external_parameter_fetches_it_with_the_module(tmp_path):
     engine, *_ = tierflow.initialize(model=model, config=config_for(tmp_path))
     try:
         fetched = []
-        model.register_forward_pre_hook(lambda m, a: fetched.append(engine.params.part_of(m.a.weight).resident))
+        model.register_forward_pre_hook(lambda m, a: fetched.append(engine.runtime.params.part_of(m.a.weight).resident))
         x = torch.randn(3, 32)
         with torch.no_grad():
             torch.testing.assert_close(engine.module(x), plain(x), rtol=0, atol=0)
@@ -223,7 +223,7 @@ def test_frozen_parameters_leave_the_device_as_the_backward_passes_them(tmp_path
             opt.zero_grad()
             engine.backward(engine(x).square().mean())
             engine.step()
-        assert engine.params.gathered_high_water <= 3 * layer + 64 * 4096
+        assert engine.runtime.params.gathered_high_water <= 3 * layer + 64 * 4096
         with torch.no_grad():
             torch.testing.assert_close(engine.module(x), plain(x), rtol=1e-5, atol=1e-6)
     finally:
@@ -278,7 +278,7 @@ def test_the_overlapped_step_steps_each_parameter_once_on_its_whole_gradient(tmp
                 else:
                     engine.backward(engine(x))
                 engine.step()
-            runs[overlap] = ({k: v.clone() for k, v in engine.module.state_dict().items()}, engine._overlap)
+            runs[overlap] = ({k: v.clone() for k, v in engine.module.state_dict().items()}, engine.runtime._overlap)
         finally:
             engine.close()
     assert runs[True][1] is not None and runs[True][1].overlapped > 0, "the step never overlapped the backward"
@@ -362,7 +362,7 @@ def test_zero_init_with_zenflow_on_nvme_trains_and_a_tied_heads_own_weight_is_fo
     assert len(tierflow.zero.init.store_of(model).parts) == 28  # the head's own weight too, before the tie
     engine, *_ = tierflow.initialize(model=model, config=config)
     try:
-        assert len(engine.params.parts) == len({id(p) for p in model.parameters()}) == 27
+        assert len(engine.runtime.params.parts) == len({id(p) for p in model.parameters()}) == 27
         losses = []
         for x, y in batches(4):
             loss = engine(x, y)

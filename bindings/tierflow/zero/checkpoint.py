@@ -168,16 +168,9 @@ def _read_into(f: Any, base: int, entry: dict, out: torch.Tensor, path: str, nam
 # ---- the model's values --------------------------------------------------------------------------
 
 def _model_entries(engine: "Engine") -> list[tuple[str, Any]]:
-    """(name, parameter or partition) for every distinct parameter, in the
-    model's order (a tied one under its first name)."""
-    if engine.params is not None:
-        return [(part.name, part) for part in engine.params.parts]
-    seen, out = set(), []
-    for name, p in engine.module.named_parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append((name, p))
-    return out
+    """(name, item) for every distinct parameter, in the model's order (a
+    tied one under its first name): :meth:`Runtime.entries`."""
+    return engine.runtime.entries()
 
 
 def _shape(item: Any) -> tuple[int, ...]:
@@ -223,10 +216,7 @@ def _aliases(engine: "Engine") -> dict[str, str]:
 
 def _values(engine: "Engine", entries: list[tuple[str, Any]], dtype_of: Any) -> Iterator[torch.Tensor]:
     for name, item in entries:
-        if engine.params is not None:
-            yield dtype_of(item, engine.params.read(item))
-        else:
-            yield dtype_of(item, item.detach().cpu())
+        yield dtype_of(item, engine.runtime.read(item))
 
 
 def _write_on_rank0(engine: "Engine", path: str, shapes: list, values: Iterator[torch.Tensor]) -> None:
@@ -295,26 +285,12 @@ def _listed(names: list[str]) -> str:
 
 
 def _load_model(engine: "Engine", path: str, header: dict, base: int, names: set[str]) -> None:
-    """Writes the checked ``names`` of ``path`` into the model: a parameter
-    in the store straight into its host copy, one at a time."""
+    """Writes the checked ``names`` of ``path`` into the model, one
+    parameter at a time (one in the store straight into its host copy)."""
     with open(path, "rb") as f:
         for name, item in _model_entries(engine):
-            if name not in names:
-                continue
-            if engine.params is not None:
-                engine.params.release(item)  # a resident copy would be stale once this lands
-                lease, view = engine.params.host_view(item, "overwrite")
-                try:
-                    _read_into(f, base, header[name], view, path, name)
-                except BaseException:
-                    engine.params.end_host(lease, dirty=False)
-                    raise
-                engine.params.end_host(lease, dirty=True)
-            else:
-                target = torch.empty(item.shape, dtype=item.dtype)
-                _read_into(f, base, header[name], target, path, name)
-                with torch.no_grad():
-                    item.copy_(target)
+            if name in names:
+                engine.runtime.write(item, lambda view, name=name: _read_into(f, base, header[name], view, path, name))
         for name, buffer in _buffer_entries(engine):
             if name not in names:
                 continue
@@ -427,36 +403,14 @@ def _save_streamed(path: str, obj: Any, fill: dict[int, Callable[[], Iterator[to
         os.fsync(f.fileno())
 
 
-def _local_values(engine: "Engine", item: Any) -> torch.Tensor:
-    """This rank's compute values of ``item``: the parameter, or its flat shard."""
-    if engine.params is not None:
-        return engine.params.read_local(item)
-    return item.detach().cpu()
-
-
 def _local_master(engine: "Engine", item: Any, local: torch.Tensor) -> torch.Tensor:
     """This rank's fp32 master of ``item`` (a partition or a parameter),
-    given its compute values ``local`` (:func:`_local_values`): the
+    given its compute values ``local`` (:meth:`Runtime.read_local`): the
     optimizer's (or ZenFlow's) master of a bf16/fp16 parameter, made from
     the values when it has not stepped yet; an fp32 parameter's values."""
     if local.dtype == torch.float32 or not item.requires_grad:
         return local.to(torch.float32)
-    sharded = engine.params is not None and item.sharded
-    if engine.zenflow is not None:
-        kept = engine.zenflow.master_of(item)
-        if kept is not None and sharded:
-            kept = engine.group.shard_of(kept.reshape(-1), item.shard_numel)
-    elif engine.params is None:
-        kept = _master_from_optimizer(engine.optimizer, item)
-    else:
-        # The optimizer steps this rank's values (the parameter, or its
-        # shard), and reads one it never stepped from them.
-        p = item.step_param
-        p.data = local
-        try:
-            kept = _master_from_optimizer(engine.optimizer, p)
-        finally:
-            p.data = item.step_placeholder
+    kept = engine.runtime.master(item, local)
     return kept if kept is not None else local.to(torch.float32)
 
 
@@ -467,7 +421,7 @@ def _save_deepspeed_files(engine: "Engine", tag_dir: str, entries: list[tuple[st
     from tierflow import __version__
 
     world, rank = engine.group.world_size, engine.group.rank
-    stage3 = engine.params is not None
+    stage3 = engine.runtime.partitioned
     version = f"tierflow {__version__}"
     trainable = [(n, x) for n, x in entries if _trainable(x)]
     frozen = [] if exclude_frozen else [(n, x) for n, x in entries if not _trainable(x)]
@@ -476,7 +430,7 @@ def _save_deepspeed_files(engine: "Engine", tag_dir: str, entries: list[tuple[st
     partition = [-(-_numel(x) // world) for _, x in trainable]
 
     def local_of(item: Any) -> torch.Tensor:
-        return _local_values(engine, item).reshape(-1)
+        return engine.runtime.read_local(item).reshape(-1)
 
     def masters() -> Iterator[torch.Tensor]:
         for (_, item), n in zip(trainable, partition):
@@ -525,16 +479,10 @@ def _save_deepspeed_files(engine: "Engine", tag_dir: str, entries: list[tuple[st
 
 # ---- checkpoints ----------------------------------------------------------------------------------
 
-def _optimizer_on_nvme(engine: "Engine") -> bool:
-    """Whether the optimizer's state is saved as its NVMe store's own
-    checkpoint (Adam/AdamW or ZenFlow with their state on NVMe)."""
-    return getattr(engine.optimizer, "offload", "cpu") == "nvme" and hasattr(engine.optimizer, "save_state")
-
-
 def _optimizer_path(engine: "Engine", tag_dir: str, on_nvme: bool | None = None) -> str:
     """This rank's optimizer file (or directory, state on NVMe) in ``tag_dir``."""
     name = "optimizer" if engine.group.world_size == 1 else f"optimizer.rank{engine.group.rank}"
-    on_nvme = _optimizer_on_nvme(engine) if on_nvme is None else on_nvme
+    on_nvme = engine.runtime.state.on_nvme if on_nvme is None else on_nvme
     return os.path.join(tag_dir, name if on_nvme else name + ".pt")
 
 
@@ -603,15 +551,14 @@ def save(engine: "Engine", save_dir: str, tag: str | None, client_state: dict, s
 
 
 def _save_into(engine: "Engine", partial: str, client_state: dict, exclude_frozen: bool) -> None:
-    engine._finish_optimizer()  # the model and the store get ZenFlow's newest values first
-    if engine.params is not None:
-        engine.params.flush()
+    engine.runtime.finish()  # the model and the store get ZenFlow's newest values first
+    engine.runtime.flush()
     entries = _model_entries(engine)
     if exclude_frozen:
         entries = [(n, x) for n, x in entries if x.requires_grad]
     _save_model(engine, os.path.join(partial, "model.safetensors"), entries)
-    owner = engine.zenflow or engine.optimizer  # ZenFlow's masters with its state
-    on_nvme = _optimizer_on_nvme(engine)
+    owner = engine.runtime.state.owner  # ZenFlow's masters with its state
+    on_nvme = engine.runtime.state.on_nvme
     if on_nvme:
         owner.save_state(_optimizer_path(engine, partial))
     else:
@@ -651,60 +598,6 @@ def _resolve_tag(load_dir: str, tag: str | None) -> str | None:
     return tag
 
 
-def _optimizer_owner(engine: "Engine") -> Any:
-    return engine.zenflow or engine.optimizer
-
-
-def _local_numel(engine: "Engine") -> dict[int, int]:
-    """Elements of the optimizer's view of each parameter, by id of what it
-    steps (a partition's step parameter at stage 3)."""
-    if engine.params is not None:
-        return {id(part.step_param): part.shard_numel for part in engine.params.parts}
-    return {id(p): p.numel() for g in engine.optimizer.param_groups for p in g["params"]}
-
-
-def _check_groups(saved_groups: list, groups: list, path: str) -> None:
-    saved = [len(g["params"]) for g in saved_groups]
-    ours = [len(g["params"]) for g in groups]
-    if saved != ours:
-        raise ValueError(f"load_checkpoint: {path} holds the state of param groups of {saved} parameters, this "
-                         f"optimizer has {ours} (load_optimizer_states=False loads the model alone)")
-
-
-def _check_optimizer_state(engine: "Engine", saved: Any, path: str) -> None:
-    """Checks a state_dict saved in memory form against this run's optimizer."""
-    from tierflow.torch.optim import Adam
-
-    if engine.zenflow is not None:
-        if not isinstance(saved, dict) or "optimizer" not in saved:
-            raise ValueError(f"load_checkpoint: {path} is not a stage-3 ZenFlow state (saved without "
-                             "zero_optimization.zenflow?)")
-        _check_groups(saved["optimizer"]["param_groups"], engine.optimizer.param_groups, path)
-        masters = saved.get("masters")
-        if masters is not None:
-            for part in engine.zenflow.parts:
-                value = masters.get(part.name)
-                if value is None or tuple(value.shape) != part.shape:
-                    raise ValueError(f"load_checkpoint: {path} has no fp32 master of '{part.name}' of its shape "
-                                     f"{list(part.shape)}")
-        return
-    if isinstance(saved, dict) and "optimizer" in saved and "param_groups" not in saved:
-        raise ValueError(f"load_checkpoint: {path} holds a stage-3 ZenFlow state; this run's optimizer is not "
-                         "ZenFlow (zero_optimization.zenflow)")
-    if not isinstance(saved, dict) or "param_groups" not in saved or "state" not in saved:
-        raise ValueError(f"load_checkpoint: {path} is not an optimizer state_dict")
-    _check_groups(saved["param_groups"], engine.optimizer.param_groups, path)
-    if isinstance(engine.optimizer, Adam):
-        numel = _local_numel(engine)
-        params = [p for g in engine.optimizer.param_groups for p in g["params"]]
-        ids = [i for g in saved["param_groups"] for i in g["params"]]
-        for index, (i, p) in enumerate(zip(ids, params)):
-            for key, value in saved["state"].get(i, {}).items():
-                if key != "step" and torch.is_tensor(value) and value.numel() != numel[id(p)]:
-                    raise ValueError(f"load_checkpoint: {path} holds '{key}' of {value.numel()} elements for "
-                                     f"parameter {index} of the optimizer, which has {numel[id(p)]}")
-
-
 def _check_optimizer_dir(engine: "Engine", directory: str) -> None:
     """Checks the optimizer's own NVMe checkpoint in ``directory`` is there
     and for parameters grouped as this run's (its layout is checked by the
@@ -714,46 +607,7 @@ def _check_optimizer_dir(engine: "Engine", directory: str) -> None:
             raise FileNotFoundError(errno.ENOENT, f"load_checkpoint: {os.path.join(directory, name)} is missing "
                                                   "(the optimizer's NVMe checkpoint)", os.path.join(directory, name))
     meta = _load_plain(os.path.join(directory, "optimizer.pt"), "the optimizer's state")
-    _check_groups(meta["param_groups"], engine.optimizer.param_groups, directory)
-    if engine.zenflow is not None and engine.precision != "fp32":
-        masters = os.path.join(directory, "masters.pt")
-        if not os.path.isfile(masters):
-            raise FileNotFoundError(errno.ENOENT, f"load_checkpoint: {masters} is missing (the fp32 masters of a "
-                                                  f"{engine.precision} run)", masters)
-
-
-def _load_adam_state(engine: "Engine", saved: dict[str, Any]) -> None:
-    """tierflow Adam's load of ``saved`` with the saved fp32 masters set as
-    they are: its own load would remake a master that does not round to its
-    parameter's value, which a parameter in the store (a placeholder) never
-    does."""
-    from tierflow.torch.optim import MASTER_KEY
-
-    masters = {}
-    state = {}
-    for i, entry in saved["state"].items():
-        if MASTER_KEY in entry:
-            masters[i] = entry[MASTER_KEY]
-            entry = {k: v for k, v in entry.items() if k != MASTER_KEY}
-        state[i] = entry
-    engine.optimizer.load_state_dict({**saved, "state": state})
-    params = [p for g in engine.optimizer.param_groups for p in g["params"]]
-    ids = [i for g in saved["param_groups"] for i in g["params"]]
-    for i, p in zip(ids, params):
-        if i in masters:
-            engine.optimizer.state[p][MASTER_KEY] = masters[i].to(device="cpu", dtype=torch.float32,
-                                                                   memory_format=torch.contiguous_format)
-
-
-def _refresh_masters(engine: "Engine") -> None:
-    """The fp32 masters follow the model's loaded values (the optimizer's
-    state was not loaded): DeepSpeed's ``refresh_fp32_params``."""
-    if engine.zenflow is not None:
-        engine.zenflow.reload()
-        return
-    refresh = getattr(engine.optimizer, "refresh_masters", None)
-    if callable(refresh):
-        refresh()
+    engine.runtime.state.check_directory(meta, directory, engine.precision)
 
 
 def load(engine: "Engine", load_dir: str, tag: str | None, *, strict: bool = True, load_optimizer: bool = True,
@@ -780,25 +634,18 @@ def load(engine: "Engine", load_dir: str, tag: str | None, *, strict: bool = Tru
     state, header, base, names, saved_optimizer, take_optimizer, take_scheduler = checked
 
     # ---- writes ------------------------------------------------------------------------------------------
-    engine._finish_optimizer()  # an update in flight lands before the new values, never over them
+    engine.runtime.finish()  # an update in flight lands before the new values, never over them
     _load_model(engine, os.path.join(path, "model.safetensors"), header, base, names)
     if take_optimizer:
-        owner = _optimizer_owner(engine)
-        if _optimizer_on_nvme(engine):
-            owner.load_state(_optimizer_path(engine, path))
-        elif engine.zenflow is not None:
-            owner.load_state_dict(saved_optimizer)
+        side = engine.runtime.state
+        if side.on_nvme:
+            side.owner.load_state(_optimizer_path(engine, path))
         else:
-            from tierflow.torch.optim import Adam
-
-            if isinstance(engine.optimizer, Adam):
-                _load_adam_state(engine, saved_optimizer)
-            else:
-                engine.optimizer.load_state_dict(saved_optimizer)
+            side.load(saved_optimizer)
         if engine.scaler is not None and state.get("loss_scaler") is not None:  # (DeepSpeed's is the optimizer's)
             engine.scaler.load_state_dict(state["loss_scaler"])
     else:
-        _refresh_masters(engine)
+        engine.runtime.state.refresh()
     if take_scheduler:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     if not module_only:
@@ -830,7 +677,7 @@ def _check_load(engine: "Engine", path: str, load_dir: str, tag: str, strict: bo
             raise ValueError(f"load_checkpoint: {path} holds the optimizer state of {saved_world} ranks, this run has "
                              f"{engine.group.world_size}; load it with load_optimizer_states=False (the model only) "
                              "or with as many ranks")
-        on_nvme = _optimizer_on_nvme(engine)
+        on_nvme = engine.runtime.state.on_nvme
         saved_on_nvme = state.get("optimizer_on_nvme")
         if saved_on_nvme is None:  # format 1: the path tells
             saved_on_nvme = os.path.isdir(_optimizer_path(engine, path, on_nvme=True))
@@ -844,7 +691,7 @@ def _check_load(engine: "Engine", path: str, load_dir: str, tag: str, strict: bo
             _check_optimizer_dir(engine, opt_path)
         else:
             saved_optimizer = _load_plain(opt_path, "the optimizer's state")
-            _check_optimizer_state(engine, saved_optimizer, opt_path)
+            engine.runtime.state.check_saved(saved_optimizer, opt_path, engine.runtime.local_numel())
     take_scheduler = load_scheduler and not module_only and engine.lr_scheduler is not None
     if take_scheduler and state.get("lr_scheduler") is None:
         raise ValueError(f"load_checkpoint: {path} holds no lr scheduler state and this engine has a scheduler; "
@@ -868,7 +715,7 @@ def export(engine: "Engine", save_dir: str, filename: str, fp32: bool, exclude_f
         raise ValueError(f"save_filename: {filename!r}; tierflow writes the weights as safetensors, streamed "
                          "(name the file *.safetensors)")
     path = os.path.join(save_dir, filename)
-    engine._finish_optimizer()
+    engine.runtime.finish()
     entries = _model_entries(engine)
     if exclude_frozen:
         entries = [(n, x) for n, x in entries if x.requires_grad]
@@ -878,10 +725,8 @@ def export(engine: "Engine", save_dir: str, filename: str, fp32: bool, exclude_f
     def master(item: Any, values: torch.Tensor) -> torch.Tensor:
         if not fp32 or values.dtype == torch.float32:
             return values
-        sharded = engine.params is not None and item.sharded
-        local = engine.group.shard_of(values.reshape(-1), item.shard_numel) if sharded else values
-        kept = _local_master(engine, item, local)
-        return engine.group.gather(kept.reshape(-1))[: item.numel].view(item.shape) if sharded else kept
+        runtime = engine.runtime
+        return runtime.whole_of(item, _local_master(engine, item, runtime.local_of(item, values)))
 
     tmp = f"{path}.partial"
     if engine.group.rank == 0:
@@ -891,14 +736,3 @@ def export(engine: "Engine", save_dir: str, filename: str, fp32: bool, exclude_f
         os.replace(tmp, path)
     engine.group.barrier()
     return path
-
-
-def _master_from_optimizer(optimizer: Any, p: torch.Tensor) -> torch.Tensor | None:
-    from tierflow.torch.optim.adam import MASTER_KEY
-
-    read = getattr(optimizer, "_read_state", None)
-    if getattr(optimizer, "offload", "cpu") == "nvme" and callable(read):
-        group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), None)
-        return None if group is None else read(p, group).get(MASTER_KEY)  # (None: one it does not step)
-    value = optimizer.state.get(p, {}).get(MASTER_KEY)
-    return None if value is None else value.detach().cpu().clone()

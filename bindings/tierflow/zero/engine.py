@@ -1,15 +1,13 @@
 """The training engine: :func:`initialize` and :class:`Engine`, shaped like
 DeepSpeed's, over tierflow's store and optimizers.
 
-Stage 3 keeps every parameter in the store (partition.py) and fetches it
-around its module's forward and backward (hooks.py); the optimizer steps the
-parameters batch by batch in host memory, each batch's compute copies and
-gradients leased there while its state streams from where it lives; with
-``zero_optimization.zenflow`` ZenFlow steps fp32 masters in host memory
-instead (zenflow.py), its windowed state in host memory or streamed from
-NVMe (``offload_optimizer.device``). Stages 0–2 keep the parameters where the model has them
-and step them with tierflow's optimizer (state in host memory or on NVMe) or
-ZenFlow.
+The engine is DeepSpeed's as its users and Hugging Face's Trainer call it:
+the config, the counters, the fp16 loss scale, the accumulation boundary and
+the clipping rule. Where the parameters live and how they are stepped is its
+:class:`~tierflow.zero.runtime.Runtime`'s: stage 3's
+:class:`~tierflow.zero.partitioned.PartitionedRuntime` keeps every parameter
+in tierflow's store, stages 0–2's :class:`~tierflow.zero.resident.ResidentRuntime`
+where the model has them.
 
 DeepSpeed's semantics hold: :meth:`Engine.backward` scales the loss by
 1/``gradient_accumulation_steps`` (and by the loss scale under fp16),
@@ -30,16 +28,15 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from tierflow import _lifetime
-from tierflow.config import AUTO, AdamConfig, Config, MuonConfig, from_deepspeed
+from tierflow.config import AUTO, Config, from_deepspeed
 from tierflow.zero import checkpoint as _checkpoint
-from tierflow.zero import copies
 from tierflow.zero.comm import Group, current_group
-from tierflow.zero.init import mark, store_of
-from tierflow.zero.hooks import ModuleHooks
-from tierflow.zero.overlap import OverlappedStep, overlappable
-from tierflow.zero.partition import ParamStore, Partition
-from tierflow.zero.plan import Plan, format_bytes, links_of, make_plan, parameters_of, tiers_of
-from tierflow.zero.zenflow import PartitionedZenFlow, ResidentParams
+from tierflow.zero.init import store_of
+from tierflow.zero.partition import ParamStore
+from tierflow.zero.partitioned import PartitionedRuntime
+from tierflow.zero.plan import Plan
+from tierflow.zero.resident import ResidentRuntime
+from tierflow.zero.runtime import Runtime, check_optimizer
 
 __all__ = ["Engine", "initialize", "LossScaler"]
 
@@ -102,10 +99,10 @@ class Engine:
     ``config`` (the :class:`~tierflow.config.Config`), ``plan`` (stage 3's
     :class:`~tierflow.zero.plan.Plan`, else None), ``global_steps``,
     ``micro_steps``, ``skipped_steps`` (fp16 overflows), ``loss_scale``,
-    ``group`` (the data-parallel ranks, :class:`~tierflow.zero.comm.Group`).
-    At stage 3 the optimizer's parameters are the engine's own, one per
-    model parameter (its shape, or this rank's flat shard with several
-    ranks), over host copies leased only while it steps.
+    ``group`` (the data-parallel ranks, :class:`~tierflow.zero.comm.Group`),
+    ``runtime`` (what keeps and steps the parameters: a
+    :class:`~tierflow.zero.partitioned.PartitionedRuntime` at stage 3, a
+    :class:`~tierflow.zero.resident.ResidentRuntime` at stages 0–2).
     """
 
     def __init__(self, model: torch.nn.Module, config: Config, model_parameters: Iterable | None = None,
@@ -132,44 +129,26 @@ class Engine:
         self.checks_overflow = precision == "fp16" or (precision == "bf16" and config.bf16.check_grad_overflow)
         self.scaler = LossScaler(f.initial_scale, f.dynamic, f.loss_scale_window, f.hysteresis,
                                  f.min_loss_scale) if precision == "fp16" else None
-        self.plan: Plan | None = None
-        self.params: ParamStore | None = None
-        self.hooks: ModuleHooks | None = None
-        # ZenFlow over fp32 masters: stage 3, or a bf16/fp16 model at stages 1-2.
-        self.zenflow: PartitionedZenFlow | None = None
-        self._in_place_zenflow: Any = None  # ZenFlow stepping an fp32 model in place (stages 1-2)
-        self._finish_hook: Any = None
-        self._norm_sq = 0.0
-        self._finite = True
-        self._norm_counted: set[int] = set()
         self._busy = 0.0  # seconds inside forward, backward and step
         self._closed = False
-        self._overlap: OverlappedStep | None = None
 
-        self._check_optimizer()  # before anything moves: a refused config leaves the model as it was
+        check_optimizer(config)  # before anything moves: a refused config leaves the model as it was
         self.group: Group = params.group if params is not None else current_group()
         if self.stage != 3 and self.group.world_size > 1:
             raise ValueError(f"zero_optimization.stage: {self.stage} over {self.group.world_size} processes; "
                              "tierflow's data parallelism is stage 3's (give stage 3, or run one process)")
-        if self.stage == 3:
-            self._partition(model, params)
-        elif params is not None:
+        if self.stage != 3 and params is not None:
             raise ValueError("zero_optimization.stage: the model was built under tierflow.zero.Init, which needs stage 3")
-        elif precision != "fp32":
-            model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
         trainable = list(model_parameters) if model_parameters is not None else list(model.parameters())
         trainable = [p for p in trainable if isinstance(p, torch.Tensor) and p.requires_grad] \
             if trainable and isinstance(trainable[0], torch.Tensor) else trainable
-        try:
-            self.optimizer = self._make_optimizer(trainable)
-        except BaseException:
-            if self.params is not None:  # the model gets its values back, the store its files
-                if self.hooks is not None:
-                    self.hooks.remove()
-                self.params.restore_all()
-                self.params.close()
-            raise
-        self._overlap = OverlappedStep(self.params, self.optimizer) if overlappable(self) else None
+        if self.stage == 3:
+            self.runtime: Runtime = PartitionedRuntime(model, config, trainable, group=self.group, store=params,
+                                                       is_boundary=self.is_gradient_accumulation_boundary,
+                                                       needs_norm=self.needs_norm)
+        else:
+            self.runtime = ResidentRuntime(model, config, trainable, precision=precision)
+        self.optimizer = self.runtime.optimizer
         _lifetime.track(self)
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
@@ -179,141 +158,10 @@ class Engine:
         else:
             self.lr_scheduler = None
 
-    # ---- construction -------------------------------------------------------------------------
-
-    def _partition(self, model: torch.nn.Module, params: ParamStore | None) -> None:
-        group = self.group
-        if params is not None and group.world_size != current_group().world_size:
-            raise ValueError(f"tierflow.zero.Init: the model was built for {group.world_size} ranks, the process "
-                             f"group now has {current_group().world_size}; build it under the same group")
-        plan = make_plan(model, self.config, world_size=group.world_size)
-        if params is None:
-            params = ParamStore(plan, trace=bool(getattr(self.config.tierflow, "trace", False)), group=group)
-        else:  # built under zero.Init: its store's budgets must hold this model's working set
-            if params.plan.device_budget < plan.minimum_device:
-                raise ValueError(f"tierflow.device_memory: {format_bytes(params.plan.device_budget)} cannot hold "
-                                 f"{plan.minimum_device_reason}; give at least {plan.minimum_device} bytes")
-            if params.plan.host_budget < plan.minimum_host:
-                raise ValueError(f"tierflow.host_memory: {format_bytes(params.plan.host_budget)} cannot hold "
-                                 f"{plan.minimum_host_reason}; give at least {plan.minimum_host} bytes")
-            total = self.config.tierflow.host_memory
-            zenflow_host = sum(plan.zenflow_bytes) + (plan.optimizer_host_budget or 0) \
-                if plan.zenflow_bytes is not None else 0
-            if zenflow_host and total is not None and params.plan.host_budget + zenflow_host > int(total):
-                # zero.Init sized its store before the model (and so ZenFlow's state) was known.
-                raise ValueError(
-                    f"tierflow.host_memory: {format_bytes(int(total))} cannot hold ZenFlow's state "
-                    f"({format_bytes(zenflow_host)}) beside the {format_bytes(params.plan.host_budget)} "
-                    "the store of tierflow.zero.Init took; ZenFlow keeps fp32 masters of the whole model in host "
-                    "memory, so build the model without zero.Init, or give tierflow.host_memory at least "
-                    f"{params.plan.host_budget + zenflow_host} bytes")
-            plan = _with_budgets(plan, params.plan)
-            params.plan = plan
-        self.plan = plan
-        self.params = params
-        for info, (name, _, p) in zip(plan.params, parameters_of(model)):
-            part = params.part_of(p)
-            if part is None:
-                params.adopt(p, name, persistent=info.persistent)
-                mark(p, params)
-            else:
-                part.name, part.persistent = name, info.persistent
-        # A parameter zero.Init stored that the model no longer has (a tied
-        # head's own weight, replaced by the embedding's): not trained, saved
-        # or counted.
-        params.keep_only({id(p) for _, _, p in parameters_of(model)})
-        if params.device.type == "cuda":  # the model's buffers (norm statistics, position ids) beside it
-            for module in model.modules():
-                for key, buffer in module._buffers.items():
-                    if buffer is not None and buffer.device != params.device:
-                        module._buffers[key] = buffer.to(params.device)
-        self.hooks = ModuleHooks(model, params, self._on_grad, self._model_forward)
-
-    def _check_optimizer(self) -> None:
-        opt = self.config.optimizer
-        if opt is None:
-            raise ValueError("optimizer: missing; the engine steps the optimizer the config names "
-                             "(type Adam or AdamW, with its params)")
-        if self.config.zero.zenflow is not None:
-            if not isinstance(opt, AdamConfig):
-                raise ValueError(f"optimizer.type: {opt.type} with zenflow; ZenFlow steps Adam or AdamW")
-        if isinstance(opt, MuonConfig):
-            raise ValueError("optimizer.type: Muon; the engine steps Adam or AdamW for now "
-                             "(tierflow.torch.optim.Muon steps Muon in a plain torch loop)")
-        for name in ("lr", "betas", "eps", "weight_decay"):
-            if getattr(opt, name) is AUTO:
-                raise ValueError(f'optimizer.params.{name}: "auto" is unresolved; give a value')
-
-    def _stepped(self, trainable: list) -> list:
-        """What the optimizer steps for ``trainable`` (parameters, or param
-        groups): at stage 3 each partition's :attr:`~Partition.step_param` —
-        a parameter of the model's shape over its host copy with one rank,
-        over this rank's flat shard with several (as DeepSpeed's stage-3
-        optimizer holds flat partitions)."""
-        if self.params is None:
-            return trainable
-
-        def own(p: Any) -> Any:
-            part = self.params.part_of(p)
-            return part.step_param if part is not None else p
-
-        return [{**g, "params": [own(p) for p in g["params"]]} if isinstance(g, dict) else own(g)
-                for g in trainable]
-
-    def _make_optimizer(self, trainable: list) -> torch.optim.Optimizer:
-        opt = self.config.optimizer
-        threads = self.config.tierflow.threads
-        z = self.config.zero
-        if z.zenflow is not None:
-            from tierflow.torch.optim import ZenFlow
-
-            zf = {k: getattr(z.zenflow, k) for k in ("topk_ratio", "select_strategy", "select_interval",
-                                                      "update_interval", "overlap_step", "auto_ratio",
-                                                      "full_warm_up_rounds", "pt_reserved_cores_perc",
-                                                      "importance_norm")}
-            if z.zenflow.steps_per_epoch is not None:
-                zf["steps_per_epoch"] = z.zenflow.steps_per_epoch
-            options = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-                           decoupled_weight_decay=opt.decoupled_weight_decay, zenflow=zf, threads=threads,
-                           **self._optimizer_nvme())
-            if self.params is not None:  # stage 3: ZenFlow steps fp32 masters in host memory
-                self.zenflow = PartitionedZenFlow(self.params, self.module, trainable, options)
-                return self.zenflow.optimizer
-            if self.precision != "fp32":  # ZenFlow's engine steps fp32 parameters in place: masters, as at stage 3
-                resident = ResidentParams(self.module, z.zenflow, nvme="nvme_dir" in options)
-                self.zenflow = PartitionedZenFlow(resident, self.module, trainable, options)
-                return self.zenflow.optimizer
-            zenflow = self._in_place_zenflow = ZenFlow(trainable, **options)
-            # The model's values lag the open window until finish(): a
-            # state_dict() of the model reads them after it.
-            self._finish_hook = self.module.register_state_dict_pre_hook(
-                lambda module, prefix, keep_vars: zenflow.finish())
-            return zenflow
-        from tierflow.torch.optim import Adam, AdamW
-
-        trainable = self._stepped(trainable)
-        cls = AdamW if opt.decoupled_weight_decay else Adam
-        kwargs: dict[str, Any] = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-                                      amsgrad=opt.amsgrad, threads=threads)
-        kwargs.update(self._optimizer_nvme())
-        return cls(trainable, **kwargs)
-
-    def _optimizer_nvme(self) -> dict[str, Any]:
-        """The optimizer's placement keywords with ``offload_optimizer.device``
-        "nvme" (its directory made, this rank's own; the plan's stream budget
-        at stage 3; the aio section's I/O engine for its files), else none."""
-        z = self.config.zero
-        if z.offload_optimizer.device != "nvme":
-            return {}
-        root = z.offload_optimizer.nvme_path or self.config.tierflow.nvme_dir
-        rank_dir = f"rank{self.group.rank}" if self.group.world_size > 1 else ""
-        out: dict[str, Any] = {"offload": "nvme", "nvme_dir": os.path.join(root, "tierflow-optimizer", rank_dir)}
-        os.makedirs(out["nvme_dir"], mode=0o700, exist_ok=True)
-        if self.plan is not None and self.plan.optimizer_host_budget is not None:
-            out["host_memory"] = self.plan.optimizer_host_budget
-        if self.config.aio is not None:
-            out["aio"] = self.config.aio.engine_options()
-        return out
+    @property
+    def plan(self) -> Plan | None:
+        """Stage 3's plan (what each tier holds), else None."""
+        return self.runtime.plan
 
     # ---- the training loop --------------------------------------------------------------------
 
@@ -325,29 +173,9 @@ class Engine:
         module (prefetched during training from the recorded order)."""
         start = time.perf_counter()
         try:
-            if self.params is None:
-                if not (self.module.training and torch.is_grad_enabled()):
-                    self._finish_optimizer()  # an evaluation reads the newest values
-                return self.module(*args, **kwargs)
-            return self.module(*args, **kwargs)  # the hooks' _model_forward brackets it
+            return self.runtime.forward(self.module, args, kwargs)
         finally:
             self._busy += time.perf_counter() - start
-
-    def _model_forward(self, starting: bool) -> None:
-        """A forward of the whole model starts or ends (stage 3), through
-        :meth:`forward` or the model called directly (``engine.module(x)``,
-        ``generate()``): a training forward opens the scheduler's iteration,
-        an evaluation reads the newest values and gives the device back."""
-        training = self.module.training and torch.is_grad_enabled()
-        if starting:
-            if self._overlap is not None:  # a forward before step(): the steps of a backward end first
-                self._overlap.wait()
-            if training:
-                self.params.begin_iteration()
-            else:
-                self._finish_optimizer()
-        elif not training:
-            self.params.release_all(keep_persistent=self.params.in_iteration)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` / gradient_accumulation_steps (× the loss scale
@@ -360,26 +188,11 @@ class Engine:
             scale = 1.0 / self._gradient_accumulation_steps if scale_wrt_gas else 1.0
             if self.scaler is not None:
                 scale *= self.scaler.scale
-            self._need_norm = self.is_gradient_accumulation_boundary() and self.needs_norm
-            try:
-                (loss * scale).backward(retain_graph=retain_graph)
-            finally:
-                if self.params is not None:
-                    self.params.release_all(keep_persistent=True)
-                    self.params.settle()
+            need_norm = self.is_gradient_accumulation_boundary() and self.needs_norm
+            self.runtime.backward(loss * scale, retain_graph, need_norm)
             return loss
         finally:
             self._busy += time.perf_counter() - start
-
-    def _on_grad(self, part: Partition, grad: torch.Tensor) -> None:
-        if self._overlap is not None and self._overlap.take(part, grad, self.is_gradient_accumulation_boundary()):
-            return  # its last gradient of the boundary: stepped now, while the backward goes on
-        need = getattr(self, "_need_norm", False)
-        sq, finite = self.params.accumulate_grad(part, grad, norm=need)
-        if need:
-            self._norm_sq += sq
-            self._finite = self._finite and finite
-            self._norm_counted.add(part.index)
 
     @property
     def needs_norm(self) -> bool:
@@ -404,25 +217,28 @@ class Engine:
             boundary = self.is_gradient_accumulation_boundary()
             self.micro_steps += 1
             self._step_applied = False
-            if self._overlap is not None:
-                self._overlap.end_micro_batch()
+            self.runtime.end_micro_batch()
             if not boundary:
                 return
-            if self.params is not None:
-                applied = self._step_partitioned()
-            else:
-                applied = self._step_resident()
-            self._step_applied = applied
+            factor: float | None = 1.0
+            if self.needs_norm:
+                try:
+                    factor = self._clip_factor(*self.runtime.grad_norm_sq())
+                except BaseException:
+                    self.runtime.apply(None)  # the boundary's gradients go, whatever failed
+                    raise
+            self.runtime.apply(factor)
+            self._step_applied = factor is not None
             # As DeepSpeed's: a skipped (fp16 overflow) step counts in
             # global_steps and skipped_steps, and does not step the schedule.
-            if applied and self.lr_scheduler is not None:
+            if self._step_applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.global_steps += 1
         finally:
             self._busy += time.perf_counter() - start
 
-    def _clip_factor(self, norm_sq: float, finite: bool) -> tuple[float, bool]:
-        """The factor that unscales and clips the gradients, and whether the step goes ahead."""
+    def _clip_factor(self, norm_sq: float, finite: bool) -> float | None:
+        """The factor that unscales and clips the gradients, or None when the step is skipped."""
         ls = self.scaler.scale if self.scaler is not None else 1.0
         overflow = not finite
         if self.scaler is not None:
@@ -432,88 +248,22 @@ class Engine:
                 warnings.warn(f"tierflow: fp16 gradient overflow at step {self.global_steps + 1}; the step is "
                               f"skipped and the loss scale is now {self.scaler.scale:g}", RuntimeWarning,
                               stacklevel=3)
-                return 0.0, False
+                return None
         elif overflow and self.checks_overflow:  # bf16.check_grad_overflow, as DeepSpeed's: no scale to lower
             self.skipped_steps += 1
             warnings.warn(f"tierflow: non-finite bf16 gradients at step {self.global_steps + 1}; the step is "
                           "skipped (bf16.check_grad_overflow)", RuntimeWarning, stacklevel=3)
-            return 0.0, False
+            return None
         norm = math.sqrt(norm_sq) / ls if finite else math.inf
-        self.last_grad_norm = norm if self.needs_norm else None
+        self.last_grad_norm = norm
         factor = 1.0 / ls
         if self.gradient_clipping > 0 and norm > self.gradient_clipping:
             factor *= self.gradient_clipping / (norm + 1e-6)
-        return factor, True
-
-    def _step_partitioned(self) -> bool:
-        params = self.params
-        factor, go = 1.0, True
-        if self.needs_norm:
-            norm_sq, finite = self._norm_sq, self._finite
-            for part in params.parts:  # gradients the last micro-batch did not touch
-                if not part.grad_empty and part.index not in self._norm_counted:
-                    sq, ok = params.grad_norm_sq(part)
-                    norm_sq, finite = norm_sq + sq, finite and ok
-            # Each rank holds its shards' share of the global norm (and may alone overflow).
-            norm_sq, bad = params.group.sum(norm_sq if finite else 0.0, 0.0 if finite else 1.0)
-            finite = bad == 0 and math.isfinite(norm_sq)
-            factor, go = self._clip_factor(norm_sq, finite)
-        self._norm_sq, self._finite = 0.0, True
-        self._norm_counted.clear()
-        try:
-            if self._overlap is not None:
-                self._overlap.wait()  # the backward's last parameter
-            if go:
-                params.release_all(keep_persistent=False)
-                if self.zenflow is not None:
-                    self.zenflow.step(factor)
-                else:
-                    # A batch of parameters at a time (ParamStore.stepping);
-                    # the scheduler loads the next ones' blocks meanwhile.
-                    # With the step overlapped, these are the parameters the
-                    # boundary's backward did not reach (a module skipped then).
-                    parts = list(params.step_parts())
-                    while parts:
-                        with params.stepping(parts, factor) as batch:
-                            self.optimizer.step_parameters([part.step_param for part in batch])
-                        parts = parts[len(batch):]
-                    # Once a step: the optimizer's own step hooks and counters
-                    # (no gradient is left, so it updates nothing).
-                    self.optimizer.step()
-        finally:
-            params.clear_grads()
-            params.end_iteration()
-        return go
-
-    def _step_resident(self) -> bool:
-        stepped = self.module.parameters() if self.zenflow is not None else \
-            (p for g in self.optimizer.param_groups for p in g["params"])
-        grads = [p for p in stepped if p.grad is not None]
-        go = True
-        if self.needs_norm:
-            norm_sq = sum(copies.norm_sq(p.grad) for p in grads)
-            factor, go = self._clip_factor(norm_sq, math.isfinite(norm_sq))
-            if go and factor != 1.0 and self.zenflow is None:
-                with torch.no_grad():
-                    for p in grads:
-                        p.grad.mul_(factor)
-        else:
-            factor = 1.0
-        if go and self.zenflow is not None:
-            self.zenflow.step(factor)  # the model's gradients into the masters, scaled; the masters back
-        elif go:
-            self.optimizer.step()
-        self.zero_grad()
-        return go
+        return factor
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients accumulated since the last step."""
-        if self.params is not None:
-            self.params.clear_grads()
-        elif self.zenflow is not None:  # the masters' gradients are ZenFlow's buffers, refilled each step
-            self.module.zero_grad(set_to_none=set_to_none)
-        else:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.runtime.zero_grad(set_to_none)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -522,9 +272,7 @@ class Engine:
         gradients accumulate in the store either way. With several at stage 3
         it is refused, as DeepSpeed refuses it: each rank keeps only its shard
         of a gradient, so a gradient cannot wait unreduced."""
-        if self.params is not None and self.params.group.world_size > 1:
-            raise RuntimeError("no_sync: incompatible with ZeRO stage 3 over several ranks (each keeps only its "
-                               "shard of a gradient, reduced as it is made)")
+        self.runtime.check_no_sync()
         yield
 
     def train(self, mode: bool = True) -> "Engine":
@@ -549,34 +297,14 @@ class Engine:
         ``{"tiers": {name: {"budget", "used", "high_water"}}`` (an NVMe budget of
         None: the filesystem's free space), ``"bytes":
         {"nvme->host": n, ...}, "stall_seconds", "stall_fraction",
-        "optimizer": {...}}``."""
-        out: dict[str, Any] = {"tiers": {}, "bytes": {}, "stall_seconds": 0.0, "stall_fraction": 0.0}
-        if self.params is not None:
-            t = self.params.telemetry()
-            out["tiers"] = tiers_of(t)
-            if self.params.group.world_size > 1:  # the parameters gathered from every rank's shards
-                out["tiers"]["gathered"] = {"budget": self.params.gather_budget,
-                                            "used": self.params.gathered_bytes,
-                                            "high_water": self.params.gathered_high_water}
-            out["bytes"] = links_of(t)
-            out["stall_seconds"] = t["stall_seconds"]
-            out["stall_fraction"] = t["stall_seconds"] / self._busy if self._busy > 0 else 0.0
-            out["scheduler"] = self.params.scheduler.stats
-        telemetry = getattr(self.optimizer, "telemetry", None)
-        if self.zenflow is not None:
-            out["optimizer"] = self.zenflow.memory_stats()
-        elif callable(telemetry):
-            opt = telemetry()
-            if opt is not None:
-                out["optimizer"] = {"tiers": tiers_of(opt), "bytes": links_of(opt)}
-        return out
+        "optimizer": {...}}`` (stages 0–2 keep no tiers of their own: only
+        the optimizer's)."""
+        return self.runtime.memory_stats(self._busy)
 
     def write_trace(self, path: str | os.PathLike) -> None:
         """Writes the Perfetto / Chrome trace of the store's transfers and waits
         (stage 3 with ``tierflow.trace`` true)."""
-        if self.params is None:
-            raise ValueError("write_trace: only stage 3 keeps parameters in the store")
-        self.params.write_trace(path)
+        self.runtime.write_trace(path)
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -632,15 +360,6 @@ class Engine:
         return _checkpoint.export(self, os.fspath(save_dir), save_filename, fp32=True,
                                   exclude_frozen=exclude_frozen_parameters)
 
-    def _finish_optimizer(self) -> None:
-        """Applies ZenFlow's window in flight and the open one, so that the
-        model (and the store) hold the newest values: what an evaluation, a
-        save and an export do first. Nothing without ZenFlow."""
-        if self.zenflow is not None:
-            self.zenflow.finish()
-        elif self._in_place_zenflow is not None:
-            self._in_place_zenflow.finish()
-
     def _release_native(self) -> None:
         self.close()  # at interpreter exit (tierflow._lifetime): a script need not close its engine
 
@@ -649,20 +368,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        if self.hooks is not None:
-            self.hooks.remove()
-        if self._finish_hook is not None:
-            self._finish_hook.remove()
-        if self._overlap is not None:
-            self._overlap.close()
-        if self.zenflow is not None:
-            self.zenflow.close()
-        close = getattr(self.optimizer, "close", None)
-        if callable(close):
-            close()
-        if self.params is not None:
-            self.params.close()
-
+        self.runtime.close()
 
     # ---- DeepSpeed's API ----
     # What DeepSpeed's engine offers and Hugging Face's Trainer (through
@@ -688,10 +394,7 @@ class Engine:
     def device(self) -> torch.device:
         """Where the model computes: at stage 3 the device tier's (the GPU,
         or the CPU under the host stand-in), else the model's parameters'."""
-        if self.params is not None:
-            return self.params.device
-        first = next(self.module.parameters(), None)
-        return first.device if first is not None else torch.device("cpu")
+        return self.runtime.device
 
     @property
     def world_size(self) -> int:
@@ -748,9 +451,9 @@ class Engine:
         elsewhere; every rank calls it), as DeepSpeed's, which accelerate's
         ``get_state_dict`` calls for a Trainer's ``save_model``: it holds the
         whole model in RAM (:meth:`save_16bit_model` streams it instead)."""
-        if self.params is None:
+        if not self.runtime.partitioned:
             raise ValueError("_zero3_consolidated_16bit_state_dict: needs zero_optimization.stage 3")
-        self._finish_optimizer()
+        self.runtime.finish()
         state = self.module.state_dict()
         if exclude_frozen_parameters:
             frozen = {name for name, p in self.module.named_parameters(remove_duplicate=False)
@@ -772,13 +475,6 @@ class Engine:
     def destroy(self) -> None:
         """DeepSpeed's name for :meth:`close` (accelerate calls it)."""
         self.close()
-
-
-def _with_budgets(plan: Plan, given: Plan) -> Plan:
-    import dataclasses
-
-    return dataclasses.replace(plan, device_budget=given.device_budget, host_budget=given.host_budget,
-                               param_home=given.param_home, grad_home=given.grad_home, nvme_dir=given.nvme_dir)
 
 
 def initialize(model: torch.nn.Module | None = None, model_parameters: Iterable | None = None,

@@ -21,7 +21,7 @@ import torch
 from tierflow.config import AUTO, Config, from_deepspeed
 from tierflow.zero.access import ParameterAccess
 from tierflow.zero.partition import ParamStore
-from tierflow.zero.plan import PAGE, Plan, format_bytes, homes_of, pages, scheduler_settings
+from tierflow.zero.plan import format_bytes, make_plan, pages
 
 __all__ = ["Init", "GatheredParameters", "store_of"]
 
@@ -53,62 +53,6 @@ def _all_subclasses(cls: type) -> list[type]:
     return out
 
 
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
-
-
-def _plan_without_model(config: Config) -> Plan:
-    """Budgets from the config alone (the model is not built yet): the
-    ``tierflow`` section's, else DeepSpeed's buffer keys, each capped at a
-    quarter of the memory available now (the model's own size is unknown)."""
-    precision = config.precision
-    if precision is AUTO:
-        raise ValueError('bf16.enabled / fp16.enabled: "auto" is unresolved; give true or false')
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    element = torch.empty((), dtype=dtype).element_size()
-    z, t = config.zero, config.tierflow
-    if z.stage != 3:
-        raise ValueError(f"zero_optimization.stage: {z.stage}; tierflow.zero.Init builds a model for stage 3")
-    homes = homes_of(config)  # as make_plan homes them, the model or not
-    param_home, grad_home = homes.param_home, homes.grad_home
-    optimizer_offload, nvme_dir = homes.optimizer_offload, homes.nvme_dir
-    cap = _available_memory() // 4
-    if t.device_memory is not None:
-        device = int(t.device_memory)
-    else:
-        live = z.stage3_max_live_parameters + (z.stage3_prefetch_bucket_size
-                                               if z.stage3_prefetch_bucket_size is not AUTO else 50_000_000)
-        device = min(cap, live * element)
-    optimizer_host = None
-    if t.host_memory is not None:
-        total = int(t.host_memory)
-        if optimizer_offload == "nvme":
-            optimizer_host = max(64 << 10, total // 4)
-        host = total - (optimizer_host or 0)
-    else:
-        op, oo = z.offload_param, z.offload_optimizer
-        params_part = (op.buffer_count * op.buffer_size + op.max_in_cpu) * element if param_home == "nvme" else cap
-        grads_part = oo.buffer_count * z.sub_group_size * 4 if grad_home == "nvme" else cap
-        host = min(cap, params_part + grads_part)
-        if optimizer_offload == "nvme":
-            optimizer_host = max(64 << 10, min(cap, oo.buffer_count * z.sub_group_size * 4))
-    share, _ = scheduler_settings(z, element, pages(max(device, PAGE)), 1.0)
-    return Plan(compute_dtype=dtype, param_home=param_home, grad_home=grad_home, optimizer_offload=optimizer_offload,
-                nvme_dir=nvme_dir, device_budget=pages(max(device, PAGE)), host_budget=pages(max(host, PAGE)),
-                optimizer_host_budget=optimizer_host, params=(), param_bytes=0, grad_bytes=0, state_bytes=0,
-                minimum_device=0, minimum_device_reason="", minimum_host=0, minimum_host_reason="",
-                sources={"device": "tierflow.device_memory" if t.device_memory is not None else "zero.Init's default",
-                         "host": "tierflow.host_memory" if t.host_memory is not None else "zero.Init's default"},
-                prefetch_share=share, aio=config.aio.engine_options() if config.aio is not None else None)
-
-
 class Init:
     """``with tierflow.zero.Init(config=ds_config): model = MyModel()`` builds
     the model's parameters straight into a ZeRO-3 store, module by module;
@@ -134,7 +78,7 @@ class Init:
         if config is None:
             raise ValueError("config: tierflow.zero.Init needs the run's DeepSpeed config (stage 3)")
         self.config = config if isinstance(config, Config) else from_deepspeed(config)
-        self.plan = _plan_without_model(self.config)
+        self.plan = make_plan(None, self.config)  # the same planner as the engine's, the model not built yet
         threshold = self.config.zero.stage3_param_persistence_threshold
         self.threshold = 100_000 if threshold is AUTO else int(threshold)
         self.params = ParamStore(self.plan, trace=self.config.tierflow.trace)

@@ -128,10 +128,9 @@ class OverlappedStep:
             self._pool.shutdown(wait=True)
 
 
-def overlappable(engine: Any) -> bool:
-    """Whether ``engine``'s boundary step may run during its backward: stage 3,
-    no gradient clipping, no overflow check (fp16's loss scale,
-    bf16.check_grad_overflow), the plain Adam/AdamW step, and
+def overlappable(config: Any, needs_norm: bool) -> bool:
+    """Whether a stage-3 run under ``config`` may step during its backward:
+    no global norm to know first (``needs_norm``: gradient clipping, fp16's
+    loss scale, bf16.check_grad_overflow), the plain Adam/AdamW step, and
     ``tierflow.overlap_step`` on."""
-    return (engine.params is not None and not engine.needs_norm
-            and engine.config.zero.zenflow is None and engine.config.tierflow.overlap_step)
+    return not needs_norm and config.zero.zenflow is None and bool(config.tierflow.overlap_step)

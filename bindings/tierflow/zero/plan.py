@@ -242,7 +242,7 @@ class Homes:
     """Where a stage-3 run keeps its blocks, from the config alone: the
     parameters and gradients ("host" or "nvme"), the optimizer's state
     ("cpu" or "nvme"), and the one directory of the store's NVMe files (or
-    None). make_plan and zero.Init (before the model exists) both read it."""
+    None), from the config alone."""
 
     param_home: str
     grad_home: str
@@ -266,7 +266,19 @@ def homes_of(config: Config) -> Homes:
     return Homes(param_home, grad_home, optimizer_offload, nvme_dir)
 
 
-def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] | None = None,
+def available_memory() -> int:
+    """The host memory available now (``MemAvailable``), in bytes; 8 GiB when it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def make_plan(model: torch.nn.Module | None, config: Config, *, sizes: dict[str, int] | None = None,
               world_size: int = 1) -> Plan:
     """The plan of ``model`` under ``config`` (stage 3) for one of
     ``world_size`` data-parallel ranks: each rank's host tier, NVMe files and
@@ -275,9 +287,17 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
     at work. ``sizes`` gives the element count of parameters whose
     ``numel()`` does not tell it (none normally: a parameter partitioned by
     tierflow keeps its shape). Raises ValueError naming the key when a budget
-    cannot hold the working set, with the minimum that would do."""
+    cannot hold the working set, with the minimum that would do.
+
+    ``model`` None plans a model not built yet (:class:`~tierflow.zero.init.Init`
+    builds it into the store this plan sizes): its sizes are unknown, so
+    each budget the ``tierflow`` section does not give comes from DeepSpeed's
+    buffer keys as for a model, with the model's own sizes replaced by a
+    quarter of the memory available now; the engine later checks the model
+    fits them."""
     if config.zero.stage != 3:
-        raise ValueError(f"zero_optimization.stage: {config.zero.stage}; a ZeRO-3 plan needs stage 3")
+        what = "tierflow.zero.Init builds a model for stage 3" if model is None else "a ZeRO-3 plan needs stage 3"
+        raise ValueError(f"zero_optimization.stage: {config.zero.stage}; {what}")
     precision = config.precision
     if precision is AUTO:
         raise ValueError('bf16.enabled / fp16.enabled: "auto" is unresolved; give true or false')
@@ -289,7 +309,11 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
     optimizer_offload, nvme_dir = homes.optimizer_offload, homes.nvme_dir
 
     threshold = _resolved(z.stage3_param_persistence_threshold, 100_000)
-    named = _named_params(model)
+    known = model is not None
+    named = _named_params(model) if known else []
+    # What the budgets may grow to for each size of the model: its own, or
+    # (not built yet) a quarter of the memory available.
+    cap = None if known else available_memory() // 4
     sizes = sizes or {}
     infos = []
     for name, module_name, p in named:
@@ -307,7 +331,7 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
     state_bytes = sum(shard(i.numel) * 4 * (2 + int(amsgrad) + int(low_precision)) for i in infos)
     zenflow_bytes = zenflow_nvme = None
     zenflow_least = 0  # the optimizer's stream budget's minimum: the largest matrix's windowed state
-    zf = z.zenflow
+    zf = z.zenflow if known else None  # (a model not built yet: its matrices are unknown)
     if zf is not None:
         if world_size > 1:
             raise ValueError(f"zero_optimization.zenflow: ZenFlow at stage 3 runs on one process, not {world_size} "
@@ -323,7 +347,7 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
     # cannot move: the budgets hold twice what is in use at once, so the copies
     # held can never split the free room into pieces too small for the next.
     persistent_bytes = sum(pages(i.numel * element) for i in infos if i.persistent)
-    module_set, module_name = _module_working_sets(model, persistent, element)
+    module_set, module_name = _module_working_sets(model, persistent, element) if known else (0, "")
     minimum_device = 2 * (module_set + persistent_bytes)
     device_reason = f"twice {module_name}'s parameters" + (
         f" and the {sum(i.persistent for i in infos)} persistent ones" if persistent_bytes else "")
@@ -332,7 +356,7 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
     # others are leased into it for each use, twice the largest at most.
     resident = (param_bytes if param_home == "host" else 0) + (grad_bytes if grad_home == "host" else 0)
     if largest is None:
-        minimum_host, host_reason = PAGE, "no parameters"
+        minimum_host, host_reason = PAGE, "no parameters" if known else "the model, not built yet"
     else:
         lease_bytes, leased = 0, []
         its = " (its shard)" if world_size > 1 else ""
@@ -359,10 +383,14 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
                              f"give at least {format_bytes(minimum_device)} ({minimum_device} bytes)")
     else:
         live = (z.stage3_max_live_parameters + _resolved(z.stage3_prefetch_bucket_size, 50_000_000)) * element
-        gathered = sum(pages(i.numel * element) for i in infos)  # every parameter whole, on one rank's device
+        # every parameter whole, on one rank's device
+        gathered = sum(pages(i.numel * element) for i in infos) if known else cap
         device_budget = max(minimum_device, min(gathered, pages(live)))
-        sources["device"] = ("all parameters" if device_budget == gathered
+        sources["device"] = ("all parameters" if device_budget == gathered and known
+                             else "a quarter of the memory available" if device_budget == gathered
                              else "stage3_max_live_parameters + stage3_prefetch_bucket_size")
+    # The model's sizes where the budgets follow them.
+    param_size, grad_size, state_size = (param_bytes, grad_bytes, state_bytes) if known else (cap, cap, cap)
 
     optimizer_host: int | None = None
     zenflow_host = sum(zenflow_bytes) if zenflow_bytes is not None else 0
@@ -371,7 +399,7 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
         if zenflow_nvme is not None:  # four of the largest matrix let its stream overlap; more buys nothing
             optimizer_host = max(zenflow_least, min(total // 4, 4 * zenflow_least, zenflow_nvme))
         elif optimizer_offload == "nvme":
-            optimizer_host = max(_MIN_OPTIMIZER_HOST, min(total // 4, pages(state_bytes)))
+            optimizer_host = max(_MIN_OPTIMIZER_HOST, min(total // 4, pages(state_size if known else total)))
         host_budget = total - (optimizer_host or 0) - zenflow_host
         sources["host"] = sources["optimizer"] = "tierflow.host_memory"
         if host_budget < minimum_host:
@@ -381,23 +409,26 @@ def make_plan(model: torch.nn.Module, config: Config, *, sizes: dict[str, int] |
                              + (f" beside ZenFlow's state ({format_bytes(zenflow_host)})" if zenflow_host else "")
                              + f"; give at least {format_bytes(need)} ({need} bytes)")
     else:
-        params_part = param_bytes
+        params_part = param_size
         if param_home == "nvme":
             op = z.offload_param
-            params_part = min(param_bytes, pages((op.buffer_count * op.buffer_size + op.max_in_cpu) * element))
-        grads_part = grad_bytes
+            params_part = min(param_size, pages((op.buffer_count * op.buffer_size + op.max_in_cpu) * element))
+        grads_part = grad_size
         if grad_home == "nvme":
             oo = z.offload_optimizer
-            grads_part = min(grad_bytes, pages(oo.buffer_count * z.sub_group_size * 4))
+            grads_part = min(grad_size, pages(oo.buffer_count * z.sub_group_size * 4))
         host_budget = max(minimum_host, params_part + grads_part)
-        sources["host"] = "offload_param / offload_optimizer buffers (DeepSpeed's keys)"
+        if not known:
+            host_budget = min(cap, host_budget)
+        sources["host"] = "offload_param / offload_optimizer buffers (DeepSpeed's keys)" + (
+            "" if known else ", at most a quarter of the memory available")
         if optimizer_offload == "nvme":
             oo = z.offload_optimizer
             buffers = pages(oo.buffer_count * z.sub_group_size * 4)
             if zenflow_nvme is not None:
                 optimizer_host = max(zenflow_least, min(zenflow_nvme, buffers))
             else:
-                optimizer_host = max(_MIN_OPTIMIZER_HOST, min(pages(state_bytes), buffers))
+                optimizer_host = max(_MIN_OPTIMIZER_HOST, min(pages(state_size), buffers))
             sources["optimizer"] = "offload_optimizer.buffer_count × sub_group_size"
         if zenflow_bytes is not None and zenflow_nvme is None:
             sources["optimizer"] = "ZenFlow's state, beside the store's host tier"
