@@ -59,6 +59,7 @@ Targets: (c) ≤ (b), (c) within 1.15× of its bound, (d) ≤ 0.5 × (b), (d) wi
 1.15× of its bound, (f) ≤ (e).
 
   bench/python/zero3_vs_deepspeed.py [--nvme-dir DIR] [--steps 8] [--warmup 5] [--only a,b,c] [--json FILE]
+      [--gradient-clipping C] [--check-grad-overflow true|false]   (default: DeepSpeed's, 1.0 and true)
 """
 import argparse
 import json
@@ -73,6 +74,8 @@ import tempfile
 import time
 
 LAYERS, WIDTH, BATCH = 24, 1024, 64
+CLIPPING = None  # --gradient-clipping: every engine's gradient_clipping (None: the key left out)
+OVERFLOW_CHECK = None  # --check-grad-overflow: every bf16 run's bf16.check_grad_overflow (None: left out)
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 CONTENDERS = ("a", "b", "b'", "c", "c0", "d", "d0", "d'", "d''", "e", "f", "e'", "f'")
 TITLES = {
@@ -98,6 +101,15 @@ def optimizer_section():
     return {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}}
 
 
+def with_clipping(config):
+    """``config`` with --gradient-clipping's and --check-grad-overflow's values, when given."""
+    if CLIPPING is not None:
+        config["gradient_clipping"] = CLIPPING
+    if OVERFLOW_CHECK is not None and config["bf16"]["enabled"]:
+        config["bf16"]["check_grad_overflow"] = OVERFLOW_CHECK
+    return config
+
+
 def zero3_config(nvme_dir, prefetch):
     # One weight is 2^20 elements: the parameter swap buffers hold one each.
     # The optimizer's sub-groups are four layers, so its NVMe state streams
@@ -105,7 +117,7 @@ def zero3_config(nvme_dir, prefetch):
     # Live parameters and reuse distance stay within the five swap buffers:
     # at DeepSpeed's defaults (1e9) its NVMe swapper fails ("Not enough
     # buffers 0 for swapping 1") whatever the prefetch bucket.
-    return {
+    return with_clipping({
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
@@ -123,11 +135,11 @@ def zero3_config(nvme_dir, prefetch):
         },
         "aio": {"block_size": 1 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True,
                 "thread_count": 1},
-    }
+    })
 
 
 def zenflow_config(bf16=True):
-    return {
+    return with_clipping({
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": bf16},
@@ -137,7 +149,7 @@ def zenflow_config(bf16=True):
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
             "zenflow": {"topk_ratio": 0.1, "update_interval": 4, "overlap_step": True},
         },
-    }
+    })
 
 
 def in_memory(config):
@@ -333,6 +345,9 @@ def run_tierflow(args, config):
 
 def child(args):
     name, scratch = args.child, args.scratch
+    global CLIPPING, OVERFLOW_CHECK
+    CLIPPING = args.gradient_clipping
+    OVERFLOW_CHECK = None if args.check_grad_overflow is None else args.check_grad_overflow == "true"
     if name == "a":
         result = run_torch(args)
     elif name in ("b", "b'"):
@@ -438,6 +453,10 @@ def run_contender(name, args, root):
     out = os.path.join(scratch, "result.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--scratch", scratch, "--out", out,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--prefetch", str(args.prefetch)]
+    if args.gradient_clipping is not None:
+        cmd += ["--gradient-clipping", str(args.gradient_clipping)]
+    if args.check_grad_overflow is not None:
+        cmd += ["--check-grad-overflow", args.check_grad_overflow]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -563,6 +582,13 @@ def main():
                         help="(b')'s stage3_prefetch_bucket_size (default DeepSpeed's own, 5e7)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds each contender may run")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--gradient-clipping", type=float, default=None,
+                        help="every contender's gradient_clipping (default: left out, so DeepSpeed's default "
+                             "of 1.0; 0 turns clipping off)")
+    parser.add_argument("--check-grad-overflow", choices=("true", "false"), default=None,
+                        help="every bf16 run's bf16.check_grad_overflow (default: left out, so DeepSpeed's "
+                             "default of true). With --gradient-clipping 0 and this false, nothing global is "
+                             "needed before a step, and tierflow steps each parameter during the backward")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--scratch", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)

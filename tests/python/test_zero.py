@@ -186,7 +186,7 @@ def test_the_step_overlapped_with_the_backward_is_the_synchronous_step_bit_for_b
         config["tierflow"]["overlap_step"] = overlap
         engine, *_ = tierflow.initialize(model=model, config=config)
         try:
-            assert (engine.runtime._overlap is not None) == overlap
+            assert engine.runtime._overlap.steps == overlap
             losses = tierflow_losses(engine, 6, gas=gas)
             state = {k: v.clone() for k, v in engine.module.state_dict().items()}
             stats = engine.memory_stats()
@@ -991,3 +991,106 @@ def test_stage_3_zenflow_resumes_from_a_checkpoint(tmp_path, precision):
         engine.close()
     rtol, atol = (5e-4, 1e-6) if precision == "fp32" else (0.0, 2.0 ** -6)
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(went_on), rtol=rtol, atol=atol)
+
+
+def test_both_runtimes_give_every_method_of_the_runtime_protocol():
+    """The engine drives a run through tierflow.zero.runtime.Runtime alone:
+    both implementations have each of its methods and attributes."""
+    import inspect
+
+    from tierflow.zero.partitioned import PartitionedRuntime
+    from tierflow.zero.resident import ResidentRuntime
+    from tierflow.zero.runtime import Runtime
+
+    wanted = {name for name, _ in inspect.getmembers(Runtime) if not name.startswith("_")}
+    wanted |= set(Runtime.__annotations__)
+    assert {"apply", "backward", "entries", "write", "state", "partitioned", "device"} <= wanted
+    for cls in (PartitionedRuntime, ResidentRuntime):
+        engine_side = [n for n in wanted if not hasattr(cls, n)]
+        # (instance attributes set in __init__: the optimizer and its side)
+        assert sorted(set(engine_side) - {"optimizer", "state", "plan"}) == [], cls.__name__
+
+
+def test_zero_init_plans_its_store_with_the_engines_planner(tmp_path):
+    """zero.Init sizes its store before the model exists through make_plan,
+    as initialize does: the keys the engine's plan reads (homes, the
+    tierflow budgets, the optimizer's stream) give the same figures, and the
+    model's own sizes are replaced by a quarter of the available memory."""
+    from tierflow.config import from_deepspeed
+    from tierflow.zero.plan import available_memory, make_plan
+
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    given = from_deepspeed({**base, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                                          "nvme_path": str(tmp_path)}},
+                            "tierflow": {"device_memory": 1 << 26, "host_memory": 1 << 28}})
+    init = tierflow.zero.Init(config=given)
+    try:
+        plan = init.plan
+        assert (plan.device_budget, plan.param_home, plan.grad_home, plan.nvme_dir) == (1 << 26, "host", "nvme", str(tmp_path))
+        # A quarter of the host memory streams the optimizer's state, as make_plan gives a model's.
+        assert plan.optimizer_host_budget == (1 << 28) // 4 and plan.host_budget == (1 << 28) - (1 << 26)
+    finally:
+        init.params.close()
+    unsized = make_plan(None, from_deepspeed({**base, "zero_optimization": {"stage": 3}}))
+    quarter = available_memory() // 4
+    assert 0 < unsized.host_budget <= quarter + 4096 and 0 < unsized.device_budget <= quarter + 4096
+    assert "a quarter of the memory available" in unsized.sources["host"]
+    with pytest.raises(ValueError, match=r"zero_optimization.stage: 2; tierflow.zero.Init builds a model for stage 3"):
+        tierflow.zero.Init(config={**base, "zero_optimization": {"stage": 2}})
+
+
+def test_gradients_reach_the_store_off_the_training_thread_and_a_failed_add_is_the_backwards_error(
+        tmp_path, monkeypatch):
+    """Under clipping (the step after the backward, DeepSpeed's two-pass),
+    each gradient's copy, sum and norm run on the engine's worker thread, not
+    the thread running the backward; an add that fails is raised by that
+    backward, leaves no half-written gradient, and the next boundary trains
+    as torch does from there."""
+    import threading
+
+    from tierflow.zero.partition import GradLease
+
+    threads, calls = set(), {"n": 0, "fail_at": None}
+    add = GradLease.add
+
+    def spy(self, norm):
+        threads.add(threading.current_thread().name)
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise OSError(5, "injected gradient write failure")
+        return add(self, norm)
+
+    monkeypatch.setattr(GradLease, "add", spy)
+    torch.manual_seed(0)
+    model = TinyLM()
+    reference = TinyLM()
+    reference.load_state_dict(model.state_dict())
+    engine, *_ = tierflow.initialize(model=model, config=ds_config(tmp_path / "nvme", gas=1, clip=1.0))
+    try:
+        assert engine.needs_norm and not engine.runtime._overlap.steps
+        data = batches(3)
+        opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+        x, y = data[0]
+        engine.backward(engine(x, y))
+        engine.step()
+        reference(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        assert threads and all(name.startswith("tierflow-step") for name in threads), threads
+        calls["fail_at"] = calls["n"] + 3  # the third gradient of the next backward
+        x, y = data[1]
+        with pytest.raises(OSError, match="injected gradient write failure"):
+            engine.backward(engine(x, y))
+        engine.zero_grad()  # the failed micro-batch's gradients go, as a trainer skipping it does
+        engine.set_gradient_accumulation_boundary(True)
+        x, y = data[2]
+        engine.backward(engine(x, y))
+        engine.step()
+        reference(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        opt.step()
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(engine.module.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        engine.close()

@@ -1,4 +1,14 @@
-"""The optimizer step overlapped with the backward (stage 3).
+"""The optimizer step and the gradients' way to the store, overlapped with
+the backward (stage 3).
+
+Every gradient leaves the autograd thread at once: its hook leases the
+gradient's block and hands the copy (a GPU gradient comes down on a copy
+stream of its own) and the sum into the block to a thread of its own, which
+also takes the block's norm when the step needs the global one (gradient
+clipping, an overflow check). The norm is known only once the backward has
+ended, so such a step runs after it, as DeepSpeed's does — what the backward
+overlaps is the gradients' copies, sums and norms. Without a global figure
+to know first, the step itself overlaps the backward, as follows.
 
 At the accumulation boundary, a parameter's gradient is final once the
 backward has delivered the last of its contributions: its last
@@ -38,24 +48,32 @@ gradient alone, whatever the order.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from tierflow.zero.partition import ParamStore, Partition, StepLease
+from tierflow.zero.partition import GradLease, ParamStore, Partition, StepLease
 
 __all__ = ["OverlappedStep"]
 
 
 class OverlappedStep:
-    """Steps ``optimizer`` one parameter at a time on a thread, fed from the
-    gradient hooks of the boundary micro-batch (see the module's docstring)."""
+    """Adds each gradient into the store on a thread (:meth:`accumulate`)
+    and, with ``steps``, steps ``optimizer`` there one parameter at a time,
+    fed from the gradient hooks of the boundary micro-batch (:meth:`take`;
+    see the module's docstring). ``on_norm(part, sq, finite)`` receives
+    each block's squared norm that :meth:`accumulate` was asked for, on the
+    training thread."""
 
-    def __init__(self, params: ParamStore, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, params: ParamStore, optimizer: torch.optim.Optimizer, *, steps: bool,
+                 on_norm: Callable[[Partition, float, bool], None]) -> None:
         self.params = params
         self.optimizer = optimizer
+        self.steps = steps
+        self._on_norm = on_norm
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierflow-step")
-        self._inflight: tuple[StepLease, Future] | None = None
+        # The work in flight: a step (StepLease) or a gradient's add (GradLease, whether its norm counts).
+        self._inflight: tuple[StepLease | GradLease, Future, bool] | None = None
         self._hooks: dict[int, int] = {}              # partition -> gradient hooks this micro-batch
         self._expected: dict[int, int] | None = None  # the same, of the micro-batch before
         self._unsteady: set[int] = set()              # partitions whose count changed: never overlapped
@@ -66,6 +84,8 @@ class OverlappedStep:
         """Counts a gradient of ``part``; when ``boundary`` and this is its
         last of the micro-batch, starts its step with it and returns True;
         otherwise returns False and the caller accumulates ``grad``."""
+        if not self.steps:
+            return False
         i = part.index
         n = self._hooks[i] = self._hooks.get(i, 0) + 1
         if i in self._stepped:
@@ -92,12 +112,19 @@ class OverlappedStep:
         self._expected, self._hooks = self._hooks, {}
         self._stepped.clear()
 
+    def accumulate(self, part: Partition, grad: torch.Tensor, norm: bool) -> None:
+        """Waits for the work in flight, then starts adding ``grad`` into
+        ``part``'s gradient block (with ``norm``, taking the block's norm)."""
+        self.wait()
+        lease = self.params.lease_for_accumulate(part, grad)
+        self._inflight = (lease, self._pool.submit(lease.add, norm), norm)
+
     def _submit(self, part: Partition, grad: torch.Tensor) -> None:
-        """Waits for the step in flight, then starts ``part``'s with ``grad``
-        (this micro-batch's gradient)."""
+        """Waits for the work in flight, then starts ``part``'s step with
+        ``grad`` (this micro-batch's gradient)."""
         self.wait()
         lease = self.params.lease_for_step(part, grad)
-        self._inflight = (lease, self._pool.submit(self._run, lease))
+        self._inflight = (lease, self._pool.submit(self._run, lease), False)
         self.overlapped += 1
 
     def _run(self, lease: StepLease) -> None:
@@ -111,13 +138,18 @@ class OverlappedStep:
             p.data = lease.part.step_placeholder
 
     def wait(self) -> None:
-        """Waits for the step in flight and ends its leases; re-raises its error."""
+        """Waits for the work in flight and ends its leases; re-raises its error."""
         if self._inflight is None:
             return
-        lease, future = self._inflight
+        lease, future, norm = self._inflight
         self._inflight = None
         error = future.exception()
-        self.params.end_step(lease, ok=error is None)
+        if isinstance(lease, GradLease):
+            self.params.end_accumulate(lease, ok=error is None)
+            if error is None and norm:
+                self._on_norm(lease.part, *future.result())
+        else:
+            self.params.end_step(lease, ok=error is None)
         if error is not None:
             raise error
 

@@ -558,29 +558,40 @@ class ParamStore:
 
     # ---- gradients ----------------------------------------------------------------------------
 
-    def accumulate_grad(self, part: Partition, grad: torch.Tensor, *, norm: bool) -> tuple[float, bool]:
-        """Adds ``grad`` into ``part``'s fp32 gradient block (the first
-        micro-batch since a step overwrites it). With ``norm``, returns the
-        accumulated gradient's squared L2 norm and whether it is all finite."""
+    def lease_for_accumulate(self, part: Partition, grad: torch.Tensor) -> "GradLease":
+        """``part``'s fp32 gradient block leased for adding ``grad`` into it
+        (the first micro-batch since a step overwrites it), the add itself
+        left to :meth:`GradLease.add`, which may run on another thread: a GPU
+        gradient comes down on the store's gradient stream into pinned
+        memory, so nothing here waits for its bytes. End it with
+        :meth:`end_accumulate`."""
         if part.sharded:  # this rank's shard of the mean over the ranks
             grad = self.group.reduce_scatter_mean(grad.reshape(-1), part.shard_numel)
-        mode = "overwrite" if part.grad_empty else "write"
-        lease = self._lease(part.grad_block, "host", mode)
-        try:
-            view = self._grad_local(lease, part)
-            if part.grad_empty:  # the copy takes the norm in the same pass
-                sq = copy_into(view, grad, norm=norm)
-            else:
-                with torch.no_grad():
-                    view.add_(grad.to(torch.float32))
-                sq = norm_sq(view) if norm else 0.0
-            finite = math.isfinite(sq)
-        except BaseException:
-            self._unlease(lease, dirty=False)
-            raise
-        self._unlease(lease, dirty=True)
+        grad, ready = self._download(grad.detach())
+        fresh = part.grad_empty
+        lease = self._lease(part.grad_block, "host", "overwrite" if fresh else "write")
         part.grad_empty = False
-        return sq, finite
+        return GradLease(part, lease, self._grad_local(lease, part), grad, fresh, ready)
+
+    def end_accumulate(self, lease: "GradLease", ok: bool) -> None:
+        """Ends :meth:`lease_for_accumulate`'s lease; a failed add leaves the
+        block as the store had it (and, when it held nothing, empty)."""
+        self._unlease(lease.lease, dirty=ok)
+        if not ok and lease.fresh:
+            lease.part.grad_empty = True
+
+    def accumulate_grad(self, part: Partition, grad: torch.Tensor, *, norm: bool) -> tuple[float, bool]:
+        """Adds ``grad`` into ``part``'s gradient block, here and now. With
+        ``norm``, returns the accumulated gradient's squared L2 norm and
+        whether it is all finite."""
+        lease = self.lease_for_accumulate(part, grad)
+        try:
+            out = lease.add(norm)
+        except BaseException:
+            self.end_accumulate(lease, ok=False)
+            raise
+        self.end_accumulate(lease, ok=True)
+        return out
 
     def grad_norm_sq(self, part: Partition) -> tuple[float, bool]:
         """The squared L2 norm of ``part``'s accumulated gradient (one read of
@@ -840,6 +851,34 @@ class StepLease:
                 self.into.add_(grad.to(torch.float32).reshape(self.into.shape))
             grad = self.into
         return grad.to(dtype=self.part.dtype).reshape(self.value.shape)
+
+
+@dataclass
+class GradLease:
+    """A gradient block leased for one micro-batch's gradient to be added
+    into it (:meth:`add`)."""
+
+    part: Partition
+    lease: Any
+    view: torch.Tensor     # this rank's fp32 gradient, in the block
+    grad: torch.Tensor     # the gradient to add, in host memory once ``ready``
+    fresh: bool            # the block held nothing: the add overwrites it
+    ready: Any = None      # the event ending the gradient's copy from the device
+
+    def add(self, norm: bool) -> tuple[float, bool]:
+        """Waits for the gradient's copy and adds it into the block (the copy
+        takes the norm in the same pass when the block held nothing); with
+        ``norm`` returns the block's squared L2 norm and whether it is finite
+        (else 0.0, True)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        if self.fresh:
+            sq = copy_into(self.view, self.grad, norm=norm)
+        else:
+            with torch.no_grad():
+                self.view.add_(self.grad.to(torch.float32).reshape(self.view.shape))
+            sq = norm_sq(self.view) if norm else 0.0
+        return sq, math.isfinite(sq)
 
 
 class _Stepping:

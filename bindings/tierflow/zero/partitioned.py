@@ -73,7 +73,8 @@ class PartitionedRuntime:
             self.params.close()
             raise
         self.state = OptimizerSide(self.optimizer, self.zenflow)
-        self._overlap = OverlappedStep(self.params, self.optimizer) if overlappable(config, needs_norm) else None
+        self._overlap = OverlappedStep(self.params, self.optimizer, steps=overlappable(config, needs_norm),
+                                       on_norm=self._count_norm)
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -136,8 +137,7 @@ class PartitionedRuntime:
         the newest values and gives the device back."""
         training = self.module.training and torch.is_grad_enabled()
         if starting:
-            if self._overlap is not None:  # a forward before step(): the steps of a backward end first
-                self._overlap.wait()
+            self._overlap.wait()  # a forward before step(): the work of a backward ends first
             if training:
                 self.params.begin_iteration()
             else:
@@ -149,24 +149,26 @@ class PartitionedRuntime:
         self._need_norm = need_norm
         try:
             loss.backward(retain_graph=retain_graph)
+            self._overlap.wait()  # the last gradient's add, or step: its error is the backward's
         finally:
             self.params.release_all(keep_persistent=True)
             self.params.settle()
 
     def _on_grad(self, part: Partition, grad: torch.Tensor) -> None:
-        if self._overlap is not None and self._overlap.take(part, grad, self._is_boundary()):
+        if self._overlap.take(part, grad, self._is_boundary()):
             return  # its last gradient of the boundary: stepped now, while the backward goes on
-        sq, finite = self.params.accumulate_grad(part, grad, norm=self._need_norm)
-        if self._need_norm:
-            self._norm_sq += sq
-            self._finite = self._finite and finite
-            self._norm_counted.add(part.index)
+        self._overlap.accumulate(part, grad, self._need_norm)  # into the store, off this thread
+
+    def _count_norm(self, part: Partition, sq: float, finite: bool) -> None:
+        self._norm_sq += sq
+        self._finite = self._finite and finite
+        self._norm_counted.add(part.index)
 
     def end_micro_batch(self) -> None:
-        if self._overlap is not None:
-            self._overlap.end_micro_batch()
+        self._overlap.end_micro_batch()
 
     def grad_norm_sq(self) -> tuple[float, bool]:
+        self._overlap.wait()
         norm_sq, finite = self._norm_sq, self._finite
         for part in self.params.parts:  # gradients the last micro-batch did not touch
             if not part.grad_empty and part.index not in self._norm_counted:
@@ -178,11 +180,9 @@ class PartitionedRuntime:
 
     def apply(self, factor: float | None) -> None:
         params = self.params
-        self._norm_sq, self._finite = 0.0, True
-        self._norm_counted.clear()
+        self._forget_norm()
         try:
-            if self._overlap is not None:
-                self._overlap.wait()  # the backward's last parameter
+            self._overlap.wait()  # the backward's last parameter
             if factor is None:
                 return
             params.release_all(keep_persistent=False)
@@ -206,7 +206,15 @@ class PartitionedRuntime:
             params.end_iteration()
 
     def zero_grad(self, set_to_none: bool) -> None:
-        self.params.clear_grads()
+        try:
+            self._overlap.wait()  # a gradient on its way to the store lands before it goes
+        finally:
+            self._forget_norm()
+            self.params.clear_grads()
+
+    def _forget_norm(self) -> None:
+        self._norm_sq, self._finite = 0.0, True
+        self._norm_counted.clear()
 
     def check_no_sync(self) -> None:
         if self.group.world_size > 1:
@@ -283,8 +291,7 @@ class PartitionedRuntime:
     def close(self) -> None:
         self.hooks.remove()
         try:
-            if self._overlap is not None:
-                self._overlap.close()
+            self._overlap.close()
         finally:
             self.state.close()
             self.params.close()
