@@ -1070,13 +1070,16 @@ def test_gradients_reach_the_store_off_the_training_thread_and_a_failed_add_is_t
         assert engine.needs_norm and not engine.runtime._overlap.steps
         data = batches(3)
         opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
-        x, y = data[0]
-        engine.backward(engine(x, y))
-        engine.step()
-        reference(x, y).backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
+
+        def train_both(x, y):
+            engine.backward(engine(x, y))
+            engine.step()
+            reference(x, y).backward()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+
+        train_both(*data[0])
         assert threads and all(name.startswith("tierflow-step") for name in threads), threads
         calls["fail_at"] = calls["n"] + 3  # the third gradient of the next backward
         x, y = data[1]
@@ -1084,12 +1087,7 @@ def test_gradients_reach_the_store_off_the_training_thread_and_a_failed_add_is_t
             engine.backward(engine(x, y))
         engine.zero_grad()  # the failed micro-batch's gradients go, as a trainer skipping it does
         engine.set_gradient_accumulation_boundary(True)
-        x, y = data[2]
-        engine.backward(engine(x, y))
-        engine.step()
-        reference(x, y).backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        opt.step()
+        train_both(*data[2])
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(engine.module.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
     finally:
