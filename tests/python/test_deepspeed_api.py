@@ -511,8 +511,10 @@ def test_the_calls_hugging_faces_trainer_makes_train_save_and_resume_as_deepspee
                 wrapped.backward(loss, sync_gradients=micro == 1)
                 losses.append(loss.item())
             norms.append(wrapped.get_global_grad_norm())
-            assert not hasattr(engine.optimizer, "overflow")  # DeepSpeedOptimizerWrapper: never skipped, so
-            # the Trainer's (no-op) scheduler wrapper steps; the engine's scheduler is stepped by step()
+            # DeepSpeedOptimizerWrapper reads the optimizer's overflow, as DeepSpeed's optimizers give it:
+            # no step was skipped, so the Trainer's (no-op) scheduler wrapper steps; the engine's
+            # scheduler is stepped by step()
+            assert engine.optimizer.overflow is False
             assert engine.lr_scheduler.get_last_lr() == engine.get_lr()
         return losses, norms
 

@@ -394,6 +394,8 @@ def test_a_bf16_step_with_non_finite_gradients_is_skipped_as_deepspeeds_check_gr
             after = engine.module.state_dict()
             results[check] = (engine.skipped_steps, engine.global_steps,
                               all(torch.equal(before[k], after[k]) for k in before))
+            # accelerate's DeepSpeedOptimizerWrapper.step_was_skipped reads it, as of DeepSpeed's optimizers
+            assert engine.optimizer.overflow is check and engine.was_step_applied() is not check
         finally:
             engine.close()
     assert results[True] == (1, 1, True)

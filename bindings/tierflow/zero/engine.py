@@ -149,6 +149,9 @@ class Engine:
         else:
             self.runtime = ResidentRuntime(model, config, trainable, precision=precision)
         self.optimizer = self.runtime.optimizer
+        # DeepSpeed's optimizers say whether the last boundary's step was
+        # skipped (accelerate's step_was_skipped reads it).
+        self.optimizer.overflow = False
         _lifetime.track(self)
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
@@ -229,6 +232,7 @@ class Engine:
                     raise
             self.runtime.apply(factor)
             self._step_applied = factor is not None
+            self.optimizer.overflow = not self._step_applied
             # As DeepSpeed's: a skipped (fp16 overflow) step counts in
             # global_steps and skipped_steps, and does not step the schedule.
             if self._step_applied and self.lr_scheduler is not None:
