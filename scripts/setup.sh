@@ -59,6 +59,11 @@ fi
 if ! "$venv_python" -c 'import numpy, pytest, nanobind, scikit_build_core' 2>/dev/null; then
   "$venv_python" -m pip install -q numpy pytest 'nanobind>=2.0' 'scikit-build-core>=0.10'
 fi
+# torch's optimizer test database (torch.testing._internal.common_optimizers,
+# which tests/python/test_torch_optim_db.py drives) imports expecttest.
+if ! "$venv_python" -c 'import expecttest' 2>/dev/null; then
+  "$venv_python" -m pip install -q expecttest
+fi
 # examples/train_gpt.py, the main job: its loss plot and its progress bar.
 if ! "$venv_python" -c 'import matplotlib, tqdm' 2>/dev/null; then
   "$venv_python" -m pip install -q matplotlib tqdm
