@@ -54,6 +54,14 @@ def _check_hyper_parameters(lr, betas, eps, weight_decay, foreach, capturable) -
         raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not (all(isinstance(b, float) for b in betas[:2]) or all(isinstance(b, Tensor) for b in betas[:2])):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i in (0, 1):
+        if isinstance(betas[i], Tensor):
+            if foreach and not capturable:
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+            if betas[i].numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
 
 
 def _check_group(group: dict[str, Any]) -> None:
