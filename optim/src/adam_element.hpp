@@ -10,8 +10,11 @@
 //   m  = fma(1 - beta1, g - m, m)                       (torch's lerp)
 //   v  = fma(1 - beta2, g * g, beta2 * v)
 //   d  = fma(sqrt(v), 1 / sqrt(1 - beta2^t), eps)
-//   p  = p - fma(lr / (1 - beta1^t), m / d, lr * wd * p)    (AdamW)
-//   p  = fma(-lr / (1 - beta1^t), m / d, p)                 (Adam)
+//   p  = p * fp32(1 - lr * wd)                          (AdamW: torch's mul_)
+//   p  = fma(-lr / (1 - beta1^t), m / d, p)
+//
+// AdamW's decay rounds as torch's does: the factor 1 - lr*wd is rounded to
+// fp32 and p is rounded after the decay, then again after the update.
 //
 // Every operation is spelled out (fma, IEEE sqrt and divide, no contraction
 // left to the compiler), so the host and the device round identically: the
@@ -36,7 +39,7 @@ namespace tierflow::optim::detail {
 // Every per-step constant, computed once per step on the host.
 struct adam_element_constants {
   float l2 = 0.0f;     // Adam's weight decay folded into the gradient (0 for AdamW)
-  float lr_wd = 0.0f;  // AdamW's lr * weight_decay (0 for Adam)
+  float decay = 1.0f;  // AdamW's fp32(1 - lr * weight_decay) (1 for Adam)
   float beta2 = 0.999f;
   float one_minus_beta1 = 0.1f;
   float one_minus_beta2 = 0.001f;
@@ -53,7 +56,10 @@ adam_element_constants make_adam_element_constants(const AdamOptions& o, std::in
   const bool decoupled = o.decay == decltype(o.decay)::decoupled;
   adam_element_constants k;
   k.l2 = decoupled ? 0.0f : o.weight_decay;
-  k.lr_wd = decoupled ? o.lr * o.weight_decay : 0.0f;
+  // In double and rounded once, as torch's p.mul_(1 - lr * weight_decay)
+  // takes the factor (a Python float) into an fp32 tensor's multiply.
+  k.decay = decoupled ? static_cast<float>(1.0 - static_cast<double>(o.lr) * static_cast<double>(o.weight_decay))
+                      : 1.0f;
   k.beta2 = o.beta2;
   k.one_minus_beta1 = 1.0f - o.beta1;
   k.one_minus_beta2 = 1.0f - o.beta2;
@@ -114,18 +120,14 @@ TIERFLOW_HOST_DEVICE inline void adam_element(const adam_element_constants& k, f
                                               float& v) {
   using namespace adam_ops;
   // As kernels.cpp chooses its path: Adam without weight decay takes AdamW's
-  // (with lr_wd 0), so the two round alike there too.
+  // (with decay 1, an exact multiply), so the two round alike there too.
   const bool decoupled = k.l2 == 0.0f;
-  if (!decoupled) g = fused(k.l2, p, g);
+  if (decoupled) p = mul(p, k.decay);  // AdamW: torch's p.mul_(1 - lr*wd), rounded
+  else g = fused(k.l2, p, g);          // Adam: g += wd * p
   m = fused(k.one_minus_beta1, sub(g, m), m);
   v = fused(k.one_minus_beta2, mul(g, g), mul(k.beta2, v));
   const float denom = fused(root(v), k.inv_bc2_sqrt, k.eps);
-  const float ratio = quotient(m, denom);
-  if (decoupled) {
-    p = sub(p, fused(k.step_size, ratio, mul(k.lr_wd, p)));
-  } else {
-    p = fused(-k.step_size, ratio, p);
-  }
+  p = fused(-k.step_size, quotient(m, denom), p);
 }
 
 }  // namespace tierflow::optim::detail

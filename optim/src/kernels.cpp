@@ -181,7 +181,7 @@ HWY_INLINE void with_dtype(dtype t, F&& f) {
 // eight extra loads per vector, measured at ~10% of single-thread bandwidth.
 template <class D>
 struct adam_consts {
-  hn::Vec<D> grad_scale, l2, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, lr_wd;
+  hn::Vec<D> grad_scale, l2, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay;
   adam_consts(D d, const adam_kernel_args& a)
       : grad_scale(hn::Set(d, a.grad_scale)),
         l2(hn::Set(d, a.k.l2)),
@@ -191,7 +191,7 @@ struct adam_consts {
         inv_bc2_sqrt(hn::Set(d, a.k.inv_bc2_sqrt)),
         eps(hn::Set(d, a.k.eps)),
         step_size(hn::Set(d, a.k.step_size)),
-        lr_wd(hn::Set(d, a.k.lr_wd)) {}
+        decay(hn::Set(d, a.k.decay)) {}
 };
 
 struct adam_pointers {
@@ -207,7 +207,13 @@ template <dtype G, dtype S, copy_kind C, bool Ams, bool Decoupled, bool Native, 
 HWY_INLINE void adam_lanes(D d, const adam_consts<D>& k, const adam_pointers& a, std::size_t i) {
   auto g = hn::Mul(load_f32<G>(d, a.grad, i), k.grad_scale);
   auto p = hn::LoadU(d, a.param + i);
-  if constexpr (!Decoupled) g = hn::MulAdd(k.l2, p, g);  // Adam: g += wd * p
+  // AdamW's decay first, rounded, as torch's p.mul_(1 - lr*wd): p is then
+  // rounded again by the update, so the result rounds as torch's does. The
+  // decayed p must reach the update as the addend of a MulAdd: GCC contracts
+  // (-ffp-contract=fast) this Mul into a later plain Sub, dropping the
+  // rounding (tried: 30% of AdamW's elements off torch's by an ulp again).
+  if constexpr (Decoupled) p = hn::Mul(p, k.decay);
+  else g = hn::MulAdd(k.l2, p, g);  // Adam: g += wd * p
   auto m = load_f32<S>(d, a.exp_avg, i);
   auto v = load_f32<S>(d, a.exp_avg_sq, i);
   m = hn::MulAdd(k.one_minus_beta1, hn::Sub(g, m), m);
@@ -221,14 +227,7 @@ HWY_INLINE void adam_lanes(D d, const adam_consts<D>& k, const adam_pointers& a,
     store_f32<S, Native>(d, v_hat, a.max_exp_avg_sq, i);
   }
   const auto denom = hn::MulAdd(hn::Sqrt(v_hat), k.inv_bc2_sqrt, k.eps);
-  // AdamW's decay and the Adam update leave p in one subtraction, so p is
-  // rounded once per step (torch's mul_ then addcdiv_ rounds twice, which
-  // drifts ~3e-6 from exact arithmetic over 100 steps).
-  if constexpr (Decoupled) {
-    p = hn::Sub(p, hn::MulAdd(k.step_size, hn::Div(m, denom), hn::Mul(k.lr_wd, p)));
-  } else {
-    p = hn::NegMulAdd(k.step_size, hn::Div(m, denom), p);
-  }
+  p = hn::NegMulAdd(k.step_size, hn::Div(m, denom), p);
   store_f32<dtype::fp32>(d, p, a.param, i);
   if constexpr (C == copy_kind::bf16) store_f32<dtype::bf16, Native>(d, p, a.param_copy, i);
   if constexpr (C == copy_kind::fp16) store_f32<dtype::fp16>(d, p, a.param_copy, i);

@@ -18,13 +18,11 @@ What sets the tolerances (fp32, measured on these inputs):
   rounding. With weight decay off or L2 (Adam) a step rounds as torch's in all
   but 0.5% of the elements (the update's terms are grouped differently:
   fused ``sqrt(v)*(1/sqrt(bc2))+eps`` and ``lr/bc1*(m/d)`` where torch divides
-  and multiplies in turn). AdamW's decoupled decay is the larger part: the
-  kernel subtracts ``lr*wd*p`` and the update from ``p`` with one rounding,
-  where torch first multiplies ``p`` by ``1 - lr*wd`` rounded to fp32 (for
-  ``lr*wd = 1e-5`` that factor decays 0.14% more than ``lr*wd``) and rounds,
-  then adds the update and rounds again. After one step 29-31% of the
-  elements differ from torch's by an ulp (up to 5.5e-7 relative over five
-  steps); :func:`test_one_step_rounds_as_torch` pins that difference.
+  and multiplies in turn). AdamW's decoupled decay rounds as torch's: the
+  kernel multiplies ``p`` by ``1 - lr*wd`` rounded to fp32 and rounds, then
+  adds the update and rounds again (it once subtracted both with one
+  rounding, and 29-31% of the elements differed from torch's by an ulp after
+  one step); :func:`test_one_step_rounds_as_torch` pins the agreement.
 * The moments agree relative to their own scale (``atol`` = ``rtol`` times
   the largest element): ``exp_avg`` within ``rtol=2e-6``, ``exp_avg_sq`` and
   ``max_exp_avg_sq`` within ``rtol=3e-5``. The hyper-parameters reach the
@@ -175,17 +173,11 @@ def _one_ulp_share(name, kwargs):
 
 @pytest.mark.parametrize("name", ["Adam", "AdamW"])
 @pytest.mark.parametrize("weight_decay", [0.0, 1e-2, 0.1])
-def test_one_step_rounds_as_torch(name, weight_decay, request):
+def test_one_step_rounds_as_torch(name, weight_decay):
     """One step rounds as torch's for all but a few elements (torch's own
-    foreach and fused steps differ from its for-loop step in under 0.2%)."""
-    if name == "AdamW" and weight_decay:
-        # tierflow's AdamW rounds p once per step, torch's twice with an fp32 decay
-        # factor (module docstring): ~30% of the elements differ by an ulp. Rounding as
-        # torch's does (optim/src/kernels.cpp: p *= fp32(1 - lr*wd), then the update)
-        # drifts 7e-6 from exact arithmetic over 100 steps (torch's own fp32 AdamW:
-        # 6e-6), beyond the 1e-6 that the C++ test
-        # adam_reference_test.fp32_matches_double_reference_over_100_steps asks.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="AdamW's decay rounds once, torch's twice"))
+    foreach and fused steps differ from its for-loop step in under 0.2%).
+    AdamW's decay included: the kernel multiplies p by fp32(1 - lr*wd) and
+    rounds, then adds the update, as torch's p.mul_ then addcdiv_ does."""
     assert _one_ulp_share(name, {"weight_decay": weight_decay}) < 0.02
 
 
