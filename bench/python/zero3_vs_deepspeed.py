@@ -101,7 +101,7 @@ def optimizer_section():
     return {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}}
 
 
-def with_clipping(config):
+def with_step_checks(config):
     """``config`` with --gradient-clipping's and --check-grad-overflow's values, when given."""
     if CLIPPING is not None:
         config["gradient_clipping"] = CLIPPING
@@ -117,7 +117,7 @@ def zero3_config(nvme_dir, prefetch):
     # Live parameters and reuse distance stay within the five swap buffers:
     # at DeepSpeed's defaults (1e9) its NVMe swapper fails ("Not enough
     # buffers 0 for swapping 1") whatever the prefetch bucket.
-    return with_clipping({
+    return with_step_checks({
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
@@ -139,7 +139,7 @@ def zero3_config(nvme_dir, prefetch):
 
 
 def zenflow_config(bf16=True):
-    return with_clipping({
+    return with_step_checks({
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": bf16},

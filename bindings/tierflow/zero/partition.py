@@ -565,9 +565,7 @@ class ParamStore:
         gradient comes down on the store's gradient stream into pinned
         memory, so nothing here waits for its bytes. End it with
         :meth:`end_accumulate`."""
-        if part.sharded:  # this rank's shard of the mean over the ranks
-            grad = self.group.reduce_scatter_mean(grad.reshape(-1), part.shard_numel)
-        grad, ready = self._download(grad.detach())
+        grad, ready = self._own_gradient(part, grad)
         fresh = part.grad_empty
         lease = self._lease(part.grad_block, "host", "overwrite" if fresh else "write")
         part.grad_empty = False
@@ -579,19 +577,6 @@ class ParamStore:
         self._unlease(lease.lease, dirty=ok)
         if not ok and lease.fresh:
             lease.part.grad_empty = True
-
-    def accumulate_grad(self, part: Partition, grad: torch.Tensor, *, norm: bool) -> tuple[float, bool]:
-        """Adds ``grad`` into ``part``'s gradient block, here and now. With
-        ``norm``, returns the accumulated gradient's squared L2 norm and
-        whether it is all finite."""
-        lease = self.lease_for_accumulate(part, grad)
-        try:
-            out = lease.add(norm)
-        except BaseException:
-            self.end_accumulate(lease, ok=False)
-            raise
-        self.end_accumulate(lease, ok=True)
-        return out
 
     def grad_norm_sq(self, part: Partition) -> tuple[float, bool]:
         """The squared L2 norm of ``part``'s accumulated gradient (one read of
@@ -655,9 +640,7 @@ class ParamStore:
         thread adds and waits (:meth:`StepLease.gradient`). End it with
         :meth:`end_step`."""
         self.release(part)
-        if part.sharded:
-            grad = self.group.reduce_scatter_mean(grad.reshape(-1), part.shard_numel)
-        grad, ready = self._download(grad.detach())
+        grad, ready = self._own_gradient(part, grad)
         grad_lease = None
         try:
             into = None
@@ -671,6 +654,13 @@ class ParamStore:
             raise
         part.grad_empty = True  # consumed by this step
         return StepLease(part, param_lease, grad_lease, self._local(param_lease, part), grad, into, ready)
+
+    def _own_gradient(self, part: Partition, grad: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """This rank's share of ``grad`` (with several ranks, its shard of the
+        mean over them) on its way to host memory: :meth:`_download`."""
+        if part.sharded:
+            grad = self.group.reduce_scatter_mean(grad.reshape(-1), part.shard_numel)
+        return self._download(grad.detach())
 
     def _download(self, grad: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """``grad`` in host memory, and the event its copy completes with

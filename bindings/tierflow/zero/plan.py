@@ -242,7 +242,7 @@ class Homes:
     """Where a stage-3 run keeps its blocks, from the config alone: the
     parameters and gradients ("host" or "nvme"), the optimizer's state
     ("cpu" or "nvme"), and the one directory of the store's NVMe files (or
-    None), from the config alone."""
+    None)."""
 
     param_home: str
     grad_home: str
