@@ -355,8 +355,8 @@ class offloaded_adam : public offloaded_state {
     if (t.size() != 8)
       throw user_error("groups: (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize) tuples expected");
     hyper_parameters h;
-    h.options = {.lr = nb::cast<float>(t[0]), .beta1 = nb::cast<float>(t[1]), .beta2 = nb::cast<float>(t[2]),
-                 .eps = nb::cast<float>(t[3]), .weight_decay = nb::cast<float>(t[4]),
+    h.options = {.lr = nb::cast<double>(t[0]), .beta1 = nb::cast<double>(t[1]), .beta2 = nb::cast<double>(t[2]),
+                 .eps = nb::cast<double>(t[3]), .weight_decay = nb::cast<double>(t[4]),
                  .decay = nb::cast<bool>(t[5]) ? optim::weight_decay_mode::decoupled : optim::weight_decay_mode::l2,
                  .amsgrad = nb::cast<bool>(t[6]) ? optim::amsgrad::on : optim::amsgrad::off};
     h.objective = nb::cast<bool>(t[7]) ? optim::objective::maximize : optim::objective::minimize;

@@ -33,8 +33,8 @@ namespace {
 // One Adam/AdamW step on one parameter's buffers; see the docstring below.
 bool adam_step(optim::executor& ex, buffer param, const_buffer grad, buffer exp_avg,
                buffer exp_avg_sq, std::optional<buffer> max_exp_avg_sq,
-               std::optional<buffer> param_copy, std::int64_t step, float lr, float beta1,
-               float beta2, float eps, float weight_decay, bool decoupled, float grad_scale,
+               std::optional<buffer> param_copy, std::int64_t step, double lr, double beta1,
+               double beta2, double eps, double weight_decay, bool decoupled, float grad_scale,
                bool skip_nonfinite, bool maximize) {
   if (element_type(param, "param") != dtype::fp32)
     throw user_error("param: the updated parameter (the master copy) must be float32");
@@ -154,8 +154,8 @@ class adam_slot {
 // parameter. With skip_nonfinite a slot whose gradient holds an inf or a nan
 // is left as it was (buffers and count) and its index returned, in order.
 std::vector<std::size_t> adam_step_group(optim::executor& ex, const std::vector<adam_slot*>& slots,
-                                         const std::vector<const_buffer>& grads, float lr, float beta1,
-                                         float beta2, float eps, float weight_decay, bool decoupled,
+                                         const std::vector<const_buffer>& grads, double lr, double beta1,
+                                         double beta2, double eps, double weight_decay, bool decoupled,
                                          bool maximize, bool skip_nonfinite) {
   if (slots.size() != grads.size())
     throw user_error("grads: " + std::to_string(grads.size()) + " gradients for " +

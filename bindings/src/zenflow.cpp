@@ -200,15 +200,15 @@ class zenflow_engine {
   zenflow_engine& operator=(const zenflow_engine&) = delete;
 
   // The hyper-parameters of every parameter in `group`, from the next step on.
-  void set_group(std::size_t group, float lr, float beta1, float beta2, float eps, float weight_decay,
+  void set_group(std::size_t group, double lr, double beta1, double beta2, double eps, double weight_decay,
                  bool decoupled, double muon_momentum, bool muon_nesterov, const std::string& muon_adjust_lr_fn,
                  int muon_ns_steps) {
     if (group >= group_count_) throw user_error("group " + std::to_string(group) + " does not exist");
     optim::adam_options adam{.lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay,
                              .decay = decoupled ? optim::weight_decay_mode::decoupled : optim::weight_decay_mode::l2};
     optim::muon_options muon;
-    muon.lr = lr;
-    muon.weight_decay = weight_decay;
+    muon.lr = static_cast<float>(lr);
+    muon.weight_decay = static_cast<float>(weight_decay);
     muon.momentum = static_cast<float>(muon_momentum);
     muon.nesterov = muon_nesterov ? optim::nesterov::on : optim::nesterov::off;
     muon.ns_steps = muon_ns_steps;

@@ -55,20 +55,24 @@ template <class AdamOptions>
 adam_element_constants make_adam_element_constants(const AdamOptions& o, std::int64_t step) {
   const bool decoupled = o.decay == decltype(o.decay)::decoupled;
   adam_element_constants k;
-  k.l2 = decoupled ? 0.0f : o.weight_decay;
-  // In double and rounded once, as torch's p.mul_(1 - lr * weight_decay)
-  // takes the factor (a Python float) into an fp32 tensor's multiply.
-  k.decay = decoupled ? static_cast<float>(1.0 - static_cast<double>(o.lr) * static_cast<double>(o.weight_decay))
-                      : 1.0f;
-  k.beta2 = o.beta2;
-  k.one_minus_beta1 = 1.0f - o.beta1;
-  k.one_minus_beta2 = 1.0f - o.beta2;
+  // Every constant in double from the options' values and rounded once, as
+  // torch's Python-float scalars reach an fp32 tensor's operation: the factor
+  // of p.mul_(1 - lr * weight_decay), the weights of exp_avg.lerp_(g, 1 - beta1)
+  // and exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2), and the bias
+  // corrections. (Options given as fp32 values are widened exactly.)
+  const auto fp32 = [](double x) { return static_cast<float>(x); };
+  const double lr = o.lr, beta1 = o.beta1, beta2 = o.beta2, weight_decay = o.weight_decay;
+  k.l2 = decoupled ? 0.0f : fp32(weight_decay);
+  k.decay = decoupled ? fp32(1.0 - lr * weight_decay) : 1.0f;
+  k.beta2 = fp32(beta2);
+  k.one_minus_beta1 = fp32(1.0 - beta1);
+  k.one_minus_beta2 = fp32(1.0 - beta2);
   const double t = static_cast<double>(step);
-  const double bc1 = 1.0 - std::pow(static_cast<double>(o.beta1), t);
-  const double bc2 = 1.0 - std::pow(static_cast<double>(o.beta2), t);
-  k.step_size = static_cast<float>(static_cast<double>(o.lr) / bc1);
-  k.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
-  k.eps = o.eps;
+  const double bc1 = 1.0 - std::pow(beta1, t);
+  const double bc2 = 1.0 - std::pow(beta2, t);
+  k.step_size = fp32(lr / bc1);
+  k.inv_bc2_sqrt = fp32(1.0 / std::sqrt(bc2));
+  k.eps = fp32(o.eps);
   return k;
 }
 

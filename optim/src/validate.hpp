@@ -18,14 +18,14 @@ inline void require(bool ok, std::string_view what, const std::string& message) 
   if (!ok) throw user_error(std::string(what) + ": " + message);
 }
 
-inline void require_finite_at_least(float value, float low, std::string_view what) {
+inline void require_finite_at_least(double value, double low, std::string_view what) {
   require(std::isfinite(value) && value >= low, what,
           "must be finite and >= " + std::to_string(low) + ", got " + std::to_string(value));
 }
 
 // [0, 1): betas and momentum.
-inline void require_unit_interval(float value, std::string_view what) {
-  require(std::isfinite(value) && value >= 0.0f && value < 1.0f, what,
+inline void require_unit_interval(double value, std::string_view what) {
+  require(std::isfinite(value) && value >= 0.0 && value < 1.0, what,
           "must be in [0, 1), got " + std::to_string(value));
 }
 

@@ -26,21 +26,25 @@ struct reference_adam {
   std::vector<double> p, m, v, vmax;
 
   void step(const std::vector<float>& grad, dtype grad_type, double scale, std::int64_t t) {
-    const double b1 = o.beta1, b2 = o.beta2;
-    const double bc1 = 1 - std::pow(b1, static_cast<double>(t));
-    const double bc2 = 1 - std::pow(b2, static_cast<double>(t));
+    // The moments' weights as torch's fp32 tensors take its Python-float
+    // scalars: fp32(1 - beta1), fp32(beta2), fp32(1 - beta2); the bias
+    // corrections in double from the betas as given.
+    const auto fp32 = [](double x) { return static_cast<double>(static_cast<float>(x)); };
+    const double w1 = fp32(1 - o.beta1), b2 = fp32(o.beta2), w2 = fp32(1 - o.beta2);
+    const double bc1 = 1 - std::pow(o.beta1, static_cast<double>(t));
+    const double bc2 = 1 - std::pow(o.beta2, static_cast<double>(t));
     for (std::size_t i = 0; i < p.size(); ++i) {
       double g = static_cast<double>(test::round_to(grad_type, grad[i])) * scale;
-      if (o.decay == weight_decay_mode::l2) g += o.weight_decay * p[i];
+      if (o.decay == weight_decay_mode::l2) g += fp32(o.weight_decay) * p[i];
       // AdamW's decay as torch documents and rounds it: p.mul_(1 - lr*wd), the
       // factor rounded to fp32 and p rounded to its fp32 storage before the
       // update. Exact arithmetic is not the model: torch's own fp32 AdamW
       // misses an unrounded decay by 6e-6 over these 100 steps, and the kernel
       // rounds as torch's does (the product of two fp32 values is exact in
       // double, so this is the kernel's multiply bit for bit).
-      else p[i] = static_cast<float>(p[i] * static_cast<float>(1.0 - static_cast<double>(o.lr) * o.weight_decay));
-      const double mi = m[i] + (1 - b1) * (g - m[i]);
-      const double vi = b2 * v[i] + (1 - b2) * g * g;
+      else p[i] = static_cast<float>(p[i] * static_cast<float>(1.0 - o.lr * o.weight_decay));
+      const double mi = m[i] + w1 * (g - m[i]);
+      const double vi = b2 * v[i] + w2 * g * g;
       double vh = vi;
       if (o.amsgrad == amsgrad::on) {
         vh = std::max(vmax[i], vi);

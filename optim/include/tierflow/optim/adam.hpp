@@ -27,18 +27,22 @@ namespace tierflow::optim {
 enum class weight_decay_mode { l2, decoupled };  // Adam, AdamW
 enum class amsgrad { off, on };
 
+// The hyper-parameters as the caller gave them (a Python float is a double).
+// The kernel's fp32 constants are derived from them in double and rounded
+// once, as torch rounds a Python scalar into an fp32 tensor's operation:
+// fp32(1 - beta2), not 1 - fp32(beta2), which is 1.3e-5 off for 0.999.
 struct adam_options {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
   weight_decay_mode decay = weight_decay_mode::decoupled;
   optim::amsgrad amsgrad = optim::amsgrad::off;
 
   // torch.optim.Adam's and torch.optim.AdamW's defaults.
-  static adam_options adam() { return {.weight_decay = 0.0f, .decay = weight_decay_mode::l2}; }
-  static adam_options adamw() { return {.weight_decay = 1e-2f, .decay = weight_decay_mode::decoupled}; }
+  static adam_options adam() { return {.weight_decay = 0.0, .decay = weight_decay_mode::l2}; }
+  static adam_options adamw() { return {.weight_decay = 1e-2, .decay = weight_decay_mode::decoupled}; }
 };
 
 // One sub-group's buffers, all of the same length:
