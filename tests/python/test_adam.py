@@ -173,7 +173,9 @@ def test_foreach_and_fused_are_accepted_and_a_torch_state_dict_carrying_them_loa
     ours = AdamW(model.parameters(), foreach=True)
     ours.load_state_dict(peer.state_dict())
     assert ours.param_groups[0]["fused"] is True
-    with pytest.raises(ValueError, match="`fused` and `foreach` cannot be `True` together"):
+    with pytest.raises(RuntimeError, match="`fused` and `foreach` cannot be `True` together") as theirs:
+        torch.optim.AdamW(model.parameters(), foreach=True, fused=True)
+    with pytest.raises(type(theirs.value), match="`fused` and `foreach` cannot be `True` together"):
         AdamW(model.parameters(), foreach=True, fused=True)
 
 

@@ -73,7 +73,7 @@ def _check_group(group: dict[str, Any]) -> None:
                 "autograd and CUDA graphs"
             )
     if group.get("fused") and group.get("foreach"):
-        raise ValueError("`fused` and `foreach` cannot be `True` together.")
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")  # torch's type and words
     for i, p in enumerate(group["params"]):
         if p.device.type != "cpu" and not _device.on_device(p):
             raise ValueError(

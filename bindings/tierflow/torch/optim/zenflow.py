@@ -53,7 +53,7 @@ def _check_group(group: dict[str, Any]) -> None:
                 f"{flag}=True is not supported: ZenFlow's step runs in C++ outside autograd and CUDA graphs"
             )
     if group.get("fused") and group.get("foreach"):
-        raise ValueError("`fused` and `foreach` cannot be `True` together.")
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")  # torch's type and words
 
 
 class ZenFlow(Optimizer):
