@@ -2,12 +2,14 @@
 README.md and docs/ resolves (file and heading), every page under docs/ is
 reachable from the README, the README's first screen gives exactly the two
 commands (the one CI runs among them), its DeepSpeed example runs as written,
-and docs/cli.md names every flag of every `tierflow` command in bench/cli/ and
-no flag the code lacks."""
+docs/cli.md names every flag of every `tierflow` command in bench/cli/ and no
+flag the code lacks, and every key the quick commands print with --json (run
+for real when the tree is built)."""
 
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -248,3 +250,58 @@ def test_the_cli_page_synopsis_names_only_real_flags():
         name = " ".join(words[1:3]) if words[1] in ("bench", "tune") else words[1]
         extra = set(_DOC_FLAG.findall(line)) - code[name]
         assert not extra, f"tierflow {name}'s synopsis names {sorted(extra)}"
+
+
+def _json_keys(section: str) -> dict[str, str]:
+    """The keys the ``| key | type | meaning |`` tables of a docs/cli.md
+    section document (``numa[]`` as ``numa``), each with its row."""
+    out: dict[str, str] = {}
+    inside = in_table = False
+    for line in _split((DOCS / "cli.md").read_text())[1]:
+        if line.startswith("## "):
+            inside = line.strip() == f"## `tierflow {section}`"
+        elif inside and line.startswith("| key |"):
+            in_table = True
+        elif inside and in_table and line.startswith("|"):
+            for key in re.findall(r"`([^`]+)`", line.split("|")[1]):
+                out[key.replace("[]", "")] = line
+        else:
+            in_table = False
+    return out
+
+
+def _undocumented(output: dict, documented: dict[str, str]) -> list[str]:
+    """The keys of a command's JSON (two levels deep) its docs do not name:
+    ``a.b`` is named as itself, or in the row of ``a`` as `b`."""
+    missing = []
+    for key, value in output.items():
+        if key not in documented and not any(d.startswith(key + ".") for d in documented):
+            missing.append(key)
+        elif isinstance(value, dict) and key not in documented:
+            missing += [f"{key}.{sub}" for sub in value if f"{key}.{sub}" not in documented]
+        elif isinstance(value, dict):
+            missing += [f"{key}.{sub}" for sub in value
+                        if f"{key}.{sub}" not in documented and f"`{sub}`" not in documented[key]]
+    return missing
+
+
+def test_the_cli_page_names_every_key_the_commands_print(tmp_path):
+    """The JSON of the quick commands, run for real, against docs/cli.md's key tables."""
+    cli = ROOT / "build" / "bin" / "tierflow"
+    if not os.access(cli, os.X_OK):
+        pytest.skip(f"no {cli.relative_to(ROOT)}: build the tree first (scripts/build.sh)")
+    runs = {
+        "info": [["info", "--json", "--path", str(tmp_path)]],
+        "bench io": [["bench", "io", "--json", "--path", str(tmp_path / "f"), "--size", "4M"]],
+        "bench optim": [["bench", "optim", "--json", "--params", "64K", "--steps", "1"],
+                        ["bench", "optim", "--json", "--optimizer", "muon", "--shape", "64x128", "--steps", "1"]],
+        "tune io": [["tune", "io", "--json", "--path", str(tmp_path), "--size", "1M", "--block-sizes", "256K",
+                     "--queue-depths", "4", "--threads", "1"]],
+    }
+    for section, commands in runs.items():
+        documented = _json_keys(section)
+        for args in commands:
+            done = subprocess.run([str(cli), *args], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, f"tierflow {' '.join(args)}: {done.stderr.strip()}"
+            missing = _undocumented(json.loads(done.stdout), documented)
+            assert not missing, f"tierflow {section} --json prints keys docs/cli.md does not name: {missing}"
