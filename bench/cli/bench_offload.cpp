@@ -8,7 +8,9 @@
 // backward, CPU Adam on every core, the parameters uploaded after; state in
 // host memory), zero-infinity (the same with the state swapped from NVMe by
 // DeepSpeed's pipelined read and write), zenflow (selective device updates,
-// asynchronous windows); ratios are against zero-offload.
+// asynchronous windows); ratios are against zero-offload. --repeat N runs
+// them all N times, alternating their order, and shows each figure as the
+// median over the runs with its range, and each run's slowest step.
 #include <charconv>
 #include <cstdio>
 #include <optional>
@@ -21,6 +23,7 @@
 
 #include "commands.hpp"
 #include "offload/plan.hpp"
+#include "offload/repeats.hpp"
 #include "offload/run.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/units.hpp"
@@ -38,6 +41,7 @@ struct offload_flags {
   std::string optimizer = "adamw";
   std::string strategy = "zenflow";
   std::uint64_t steps = 12;
+  unsigned repeat = 1;
   double tflops = 400;
   std::string device_memory = "80G";
   double hbm_gbps = 3350;
@@ -101,6 +105,15 @@ bench::offload_options to_options(const offload_flags& flags) {
   return options;
 }
 
+json spread_json(const bench::spread& s) { return {{"median", s.median}, {"min", s.min}, {"max", s.max}}; }
+
+json slowest_json(const std::optional<bench::slowest_step>& slow) {
+  if (!slow) return nullptr;
+  return {{"step", slow->step}, {"seconds", slow->seconds}, {"stall_seconds", slow->stall_seconds},
+          {"host_seconds", slow->host_seconds}, {"cpu_wait_seconds", slow->cpu_wait_seconds},
+          {"boundary", slow->boundary}, {"refreshed", slow->refreshed}, {"waited_for", slow->waited_for()}};
+}
+
 json summary_json(const bench::step_summary& sum) {
   return {{"step_seconds", sum.step_seconds},
           {"warm_up_steps", sum.warm_up_steps},
@@ -120,8 +133,10 @@ json result_json(const bench::offload_plan& plan, const bench::offload_result& r
                      {"cpu_wait_seconds", step.cpu_wait_seconds}, {"boundary", step.boundary},
                      {"refreshed", step.refreshed}});
   }
+  const bool zenflow = plan.options.strategy == bench::strategy::zenflow;
   json out = summary_json(result.summary);
   out.update({{"strategy", result.strategy},
+              {"slowest_step", slowest_json(bench::slowest_counted_step(result.steps, result.summary, zenflow))},
               {"model", plan.model.name},
               {"parameters", plan.model.parameters()},
               {"optimizer", bench::to_string(plan.options.optimizer)},
@@ -219,6 +234,62 @@ void print_side_by_side(const std::vector<bench::offload_result>& results, const
                 result.summary.max_step_seconds / result.summary.median_step_seconds);
 }
 
+// The trace file of one run: FILE as given for one strategy run once,
+// FILE.STRATEGY.json with several strategies, .runR before .json with --repeat.
+std::string trace_path_of(const std::string& given, const std::string& strategy, bool several, unsigned repeat,
+                          unsigned repeats) {
+  if (given.empty() || (!several && repeats == 1)) return given;
+  return given + (several ? "." + strategy : "") + (repeats > 1 ? ".run" + std::to_string(repeat + 1) : "") + ".json";
+}
+
+void print_run_line(unsigned repeat, unsigned repeats, const bench::offload_result& result) {
+  const bench::step_summary& sum = result.summary;
+  std::printf("run %u/%u  %-14s mean %.3f s, median %.3f, max %.3f (max/median %.2f)", repeat + 1, repeats,
+              result.strategy.c_str(), sum.step_seconds, sum.median_step_seconds, sum.max_step_seconds,
+              sum.median_step_seconds > 0 ? sum.max_step_seconds / sum.median_step_seconds : 0.0);
+  if (const auto slow = bench::slowest_counted_step(result.steps, sum, result.strategy == "zenflow"))
+    std::printf("; slowest step %llu%s: stall %.3f s, %s\n", static_cast<unsigned long long>(slow->step),
+                slow->refreshed ? " (boundary, refresh)" : slow->boundary ? " (boundary)" : "", slow->stall_seconds,
+                slow->waited_for().c_str());
+  else
+    std::printf("\n");
+}
+
+std::string spread_text(const bench::spread& s, const char* format) {
+  char buffer[96];
+  std::string f = std::string(format) + " [" + format + ", " + format + "]";
+  std::snprintf(buffer, sizeof buffer, f.c_str(), s.median, s.min, s.max);
+  return buffer;
+}
+
+void print_over_runs(const std::vector<bench::strategy_runs>& all) {
+  std::printf("\nover %zu runs (median over the runs [least, greatest]):\n", all.front().runs.size());
+  std::printf("  %-14s %-24s %-24s %-24s %-20s %s\n", "strategy", "mean step s", "median step s", "max step s",
+              "max/median", (std::string("vs ") + peer).c_str());
+  for (const auto& r : all) {
+    const bench::over_runs o = bench::summarize_runs(r);
+    std::printf("  %-14s %-24s %-24s %-24s %-20s %s\n", r.strategy.c_str(), spread_text(o.mean_step, "%.3f").c_str(),
+                spread_text(o.median_step, "%.3f").c_str(), spread_text(o.max_step, "%.3f").c_str(),
+                spread_text(o.max_over_median, "%.2f").c_str(),
+                o.ratio ? (spread_text(*o.ratio, "%.2f") + "x").c_str() : "-");
+  }
+}
+
+json over_runs_json(const std::vector<bench::strategy_runs>& all) {
+  json out = json::object();
+  for (const auto& r : all) {
+    const bench::over_runs o = bench::summarize_runs(r);
+    json j = {{"runs", o.runs},
+              {"mean_step_seconds", spread_json(o.mean_step)},
+              {"median_step_seconds", spread_json(o.median_step)},
+              {"max_step_seconds", spread_json(o.max_step)},
+              {"max_over_median", spread_json(o.max_over_median)}};
+    if (o.ratio) j["step_ratio_vs_zero_offload"] = spread_json(*o.ratio);
+    out[r.strategy] = j;
+  }
+  return out;
+}
+
 void run(const offload_flags& flags) {
   const auto strategies = split_list(flags.strategy);
   if (strategies.empty())
@@ -228,35 +299,62 @@ void run(const offload_flags& flags) {
   for (const auto& s : strategies) {
     bench::offload_options options = to_options(flags);
     options.strategy = bench::parse_strategy(s);
-    if (strategies.size() > 1 && !options.trace_path.empty())
-      options.trace_path += "." + std::string(to_string(options.strategy)) + ".json";
     plans.push_back(bench::make_plan(options));
   }
   if (!flags.as_json) std::printf("%s\n", plans[0].device_description.c_str());
 
+  // results[r][i]: repeat r of strategy i. Odd repeats run the strategies in
+  // the reverse order, so none always runs first on a fresh disk and CPU.
+  const unsigned repeats = flags.repeat;
+  const bool several = plans.size() > 1;
+  std::vector<std::vector<bench::offload_result>> results(repeats, std::vector<bench::offload_result>(plans.size()));
   json runs = json::array();
-  std::vector<bench::offload_result> results;
-  for (const auto& plan : plans) {
-    results.push_back(bench::run_offload(plan));
-    if (flags.as_json) runs.push_back(result_json(plan, results.back()));
-    else print_human(plan, results.back());
+  for (unsigned r = 0; r < repeats; ++r) {
+    for (std::size_t k = 0; k < plans.size(); ++k) {
+      const std::size_t i = r % 2 ? plans.size() - 1 - k : k;
+      bench::offload_plan plan = plans[i];
+      plan.options.trace_path = trace_path_of(flags.trace, bench::to_string(plan.options.strategy), several, r, repeats);
+      bench::offload_result& result = results[r][i] = bench::run_offload(plan);
+      if (flags.as_json) {
+        runs.push_back(result_json(plan, result));
+        if (repeats > 1) runs.back()["repeat"] = r + 1;
+      } else if (repeats == 1) {
+        print_human(plan, result);
+      } else {
+        print_run_line(r, repeats, result);
+      }
+    }
   }
-  const bench::offload_result* base = nullptr;
-  for (const auto& result : results)
-    if (result.strategy == peer) base = &result;
+  // The peer's index, if it ran; each strategy's runs with their ratios to it.
+  std::optional<std::size_t> base;
+  for (std::size_t i = 0; i < plans.size(); ++i)
+    if (results[0][i].strategy == peer) base = i;
+  std::vector<bench::strategy_runs> per_strategy(plans.size());
+  for (std::size_t i = 0; i < plans.size(); ++i) {
+    per_strategy[i].strategy = results[0][i].strategy;
+    for (unsigned r = 0; r < repeats; ++r) {
+      per_strategy[i].runs.push_back(results[r][i].summary);
+      if (base && i != *base)
+        per_strategy[i].ratios.push_back(results[r][i].summary.step_seconds / results[r][*base].summary.step_seconds);
+    }
+  }
   if (flags.as_json) {
     if (runs.size() == 1) {
       std::cout << runs[0].dump(2) << '\n';
       return;
     }
     json out = {{"runs", runs}};
-    for (const auto& result : results)
-      if (base && &result != base)
-        out["step_ratio_vs_zero_offload"][result.strategy] = result.summary.step_seconds / base->summary.step_seconds;
+    if (repeats > 1) {
+      out["repeats"] = repeats;
+      out["over_runs"] = over_runs_json(per_strategy);
+    }
+    for (const auto& r : per_strategy)
+      if (!r.ratios.empty()) out["step_ratio_vs_zero_offload"][r.strategy] = bench::summarize_runs(r).ratio->median;
     std::cout << out.dump(2) << '\n';
     return;
   }
-  if (base && results.size() > 1) print_side_by_side(results, *base);
+  if (repeats > 1) print_over_runs(per_strategy);
+  else if (base && several) print_side_by_side(results[0], results[0][*base]);
 }
 
 }  // namespace
@@ -279,6 +377,10 @@ void add_bench_offload_command(CLI::App& app) {
                   "zero-offload (alias sync)|zero-infinity (alias pipelined)|zenflow, or several comma-separated")
       ->capture_default_str();
   cmd->add_option("--steps", f->steps, "Training steps")->capture_default_str();
+  cmd->add_option("--repeat", f->repeat,
+                  "Run every strategy this many times; print each run's slowest step and the median over the runs")
+      ->check(CLI::Range(1u, 1000u))
+      ->capture_default_str();
   const CLI::Option* model_flags[] = {
       cmd->add_option("--device-tflops", f->tflops, "Sustained TFLOP/s of the modelled device")->capture_default_str(),
       cmd->add_option("--device-memory", f->device_memory, "Memory of the modelled device")->capture_default_str(),

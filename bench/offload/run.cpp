@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "offload/repeats.hpp"
 #include "offload/steps.hpp"
 #include "tierflow/core/affinity.hpp"
 #include "tierflow/core/assert.hpp"
@@ -91,13 +92,6 @@ void write_trace(const std::string& path, const block_store& store, clock::time_
   if (!out) throw error(errno, error_context{"open"}.at(path));
   out << doc.dump();
   if (!out.flush()) throw error(errno, error_context{"write"}.at(path));
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 double seconds_of(std::chrono::nanoseconds d) { return std::chrono::duration<double>(d).count(); }
@@ -252,7 +246,7 @@ step_summary summarize(std::span<const step_record> steps) {
   if (times.empty()) return sum;
   const auto n = static_cast<double>(times.size());
   sum.step_seconds = total / n;
-  sum.median_step_seconds = median(times);
+  sum.median_step_seconds = spread_of(times).median;
   sum.max_step_seconds = *std::max_element(times.begin(), times.end());
   sum.stall_fraction = total > 0 ? stall / total : 0;
   sum.cpu_wait_per_step_seconds = cpu_wait / n;

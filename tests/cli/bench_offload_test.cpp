@@ -2,9 +2,11 @@
 // and short real runs with the state on NVMe files.
 #include <sys/mount.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -189,6 +191,53 @@ TEST(BenchOffload, SeveralStrategiesSideBySideWithATrace) {
     const json trace = json::parse(testing::slurp(dir.path() + "/trace." + s + ".json"));
     EXPECT_GT(trace["traceEvents"].size(), 10u) << s;
   }
+}
+
+// --repeat 3: each run in the JSON with its repeat and its slowest counted
+// step, the strategies' order alternating, one trace per run, and every
+// figure over the runs the median of the runs' own with their range.
+TEST(BenchOffload, RepeatedRunsShowEachRunAndTheSpreadOverThem) {
+  temp_dir dir;
+  auto args = small_run(dir.path(), "zero-offload,zenflow");
+  for (const char* a : {"--repeat", "3", "--trace"}) args.push_back(a);
+  args.push_back(dir.path() + "/trace");
+  const auto r = run_cli(args);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json j = json::parse(r.out);
+  EXPECT_EQ(j["repeats"], 3);
+  ASSERT_EQ(j["runs"].size(), 6u);
+  const char* order[] = {"zero-offload", "zenflow", "zenflow", "zero-offload", "zero-offload", "zenflow"};
+  std::vector<double> ratios, maxima;
+  for (std::size_t k = 0; k < 6; ++k) {
+    const json& run = j["runs"][k];
+    EXPECT_EQ(run["strategy"], order[k]) << k;
+    EXPECT_EQ(run["repeat"], k / 2 + 1);
+    const json& slow = run["slowest_step"];
+    EXPECT_DOUBLE_EQ(slow["seconds"].get<double>(), run["max_step_seconds"].get<double>()) << k;
+    EXPECT_GE(slow["step"].get<int>(), run["warm_up_steps"].get<int>());
+    EXPECT_FALSE(slow["waited_for"].get<std::string>().empty());
+    const std::string strategy = order[k];
+    EXPECT_GT(testing::slurp(dir.path() + "/trace." + strategy + ".run" + std::to_string(k / 2 + 1) + ".json").size(),
+              100u);
+    if (strategy == "zenflow") {
+      const json& peer = j["runs"][k % 2 ? k - 1 : k + 1];
+      ratios.push_back(run["step_seconds"].get<double>() / peer["step_seconds"].get<double>());
+      maxima.push_back(run["max_step_seconds"].get<double>());
+    }
+  }
+  std::sort(ratios.begin(), ratios.end());
+  std::sort(maxima.begin(), maxima.end());
+  const json& over = j["over_runs"]["zenflow"];
+  EXPECT_EQ(over["runs"], 3);
+  EXPECT_DOUBLE_EQ(over["step_ratio_vs_zero_offload"]["median"].get<double>(), ratios[1]);
+  EXPECT_DOUBLE_EQ(over["step_ratio_vs_zero_offload"]["min"].get<double>(), ratios[0]);
+  EXPECT_DOUBLE_EQ(j["step_ratio_vs_zero_offload"]["zenflow"].get<double>(), ratios[1]);
+  EXPECT_DOUBLE_EQ(over["max_step_seconds"]["max"].get<double>(), maxima[2]);
+  EXPECT_FALSE(j["over_runs"]["zero-offload"].contains("step_ratio_vs_zero_offload"));
+
+  const auto zero = run_cli({"bench", "offload", "--repeat", "0"});
+  EXPECT_EQ(zero.exit_code, 2);
+  EXPECT_NE(zero.err.find("--repeat"), std::string::npos) << zero.err;
 }
 
 }  // namespace
