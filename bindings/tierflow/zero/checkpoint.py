@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from tierflow.torch.optim.adam import _save_file
+from tierflow.zero import placements
 
 if TYPE_CHECKING:
     from tierflow.zero.engine import Engine
@@ -638,7 +639,7 @@ def load(engine: "Engine", load_dir: str, tag: str | None, *, strict: bool = Tru
     _load_model(engine, os.path.join(path, "model.safetensors"), header, base, names)
     if take_optimizer:
         side = engine.runtime.state
-        if side.on_nvme:
+        if saved_optimizer is None:  # the store's own checkpoint, into the store
             side.owner.load_state(_optimizer_path(engine, path))
         else:
             side.load(saved_optimizer)
@@ -681,16 +682,16 @@ def _check_load(engine: "Engine", path: str, load_dir: str, tag: str, strict: bo
         saved_on_nvme = state.get("optimizer_on_nvme")
         if saved_on_nvme is None:  # format 1: the path tells
             saved_on_nvme = os.path.isdir(_optimizer_path(engine, path, on_nvme=True))
-        if saved_on_nvme != on_nvme:
-            where = {True: "on NVMe", False: "in host memory"}
-            raise ValueError(f"load_checkpoint: {path} holds the optimizer's state saved {where[saved_on_nvme]}, this "
-                             f"run keeps it {where[on_nvme]} (zero_optimization.offload_optimizer.device); give the "
-                             "same device, or load_optimizer_states=False")
-        opt_path = _optimizer_path(engine, path)
-        if on_nvme:
+        opt_path = _optimizer_path(engine, path, on_nvme=saved_on_nvme)
+        if saved_on_nvme != on_nvme:  # another placement's: read into this one's form (placements.py)
+            placements.check_movable(engine.runtime.state, path, saved_on_nvme)
+            saved_optimizer = (placements.state_saved_on_nvme(engine.runtime.state, opt_path, _load_plain)
+                               if saved_on_nvme else placements.state_saved_in_memory(opt_path, _load_plain))
+        elif on_nvme:
             _check_optimizer_dir(engine, opt_path)
         else:
             saved_optimizer = _load_plain(opt_path, "the optimizer's state")
+        if saved_optimizer is not None:
             engine.runtime.state.check_saved(saved_optimizer, opt_path, engine.runtime.local_numel())
     take_scheduler = load_scheduler and not module_only and engine.lr_scheduler is not None
     if take_scheduler and state.get("lr_scheduler") is None:

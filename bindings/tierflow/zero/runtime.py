@@ -260,7 +260,8 @@ class OptimizerSide:
             self.optimizer.load_state_dict(saved)
 
     def _load_adam(self, saved: dict[str, Any]) -> None:
-        """tierflow Adam's load of ``saved`` with the saved fp32 masters set as
+        """tierflow Adam's load of ``saved`` (into RAM or, a state saved in
+        host memory, into its NVMe store) with the saved fp32 masters set as
         they are: its own load would remake a master that does not round to
         its parameter's value, which a parameter in the store (a placeholder)
         never does."""
@@ -277,8 +278,7 @@ class OptimizerSide:
         ids = [i for g in saved["param_groups"] for i in g["params"]]
         for i, p in zip(ids, params):
             if i in masters:
-                self.optimizer.state[p][MASTER_KEY] = masters[i].to(device="cpu", dtype=torch.float32,
-                                                                    memory_format=torch.contiguous_format)
+                self.optimizer._set_master(p, masters[i])
 
     def refresh(self) -> None:
         """The fp32 masters follow the model's loaded values (its state was

@@ -758,6 +758,16 @@ class Adam(_NvmeState, Optimizer):
                 continue
             self._nvme.write(slot, key, value)
 
+    def _set_master(self, p: Tensor, value: Tensor) -> None:
+        """Sets bf16/fp16 p's fp32 master to ``value`` as it is, in RAM or on
+        NVMe, whether or not it rounds to p: a checkpoint's master, loaded for
+        a parameter whose values live elsewhere (the ZeRO-3 engine's store)."""
+        value = value.detach().to(device="cpu", dtype=torch.float32, memory_format=torch.contiguous_format)
+        if self._nvme is not None:
+            self._nvme.write(self._slots[p], MASTER_KEY, value)
+        else:
+            self.state[p][MASTER_KEY] = value.view(p.shape)
+
     def _layout(self) -> dict[str, Any]:
         """What the NVMe state's blocks are: checked by load_state()."""
         return {"host_memory": self._nvme.host_memory,

@@ -1,0 +1,102 @@
+"""A checkpoint resumed with its optimizer on the other placement: saved with
+``offload_optimizer.device`` "cpu" and loaded where it is "nvme", and the
+reverse. The resumed run must be the run that never stopped, bit for bit
+(both placements step with the same kernel), and a load that cannot be
+done changes nothing."""
+
+import copy
+import glob
+import os
+
+import pytest
+import torch
+
+import tierflow
+from test_deepspeed_api import _engine, _same
+from test_zero import stage2_config, tierflow_losses
+
+
+def _state(engine):
+    """A copy of the optimizer's whole state (read from NVMe when it lives there), with its param groups."""
+    return copy.deepcopy(engine.optimizer.state_dict())
+
+
+@pytest.mark.parametrize("saved,loaded", [("cpu", "nvme"), ("nvme", "cpu")], ids=["cpu_to_nvme", "nvme_to_cpu"])
+@pytest.mark.parametrize("stage,precision", [(2, "fp32"), (3, "fp32"), (3, "bf16")])
+def test_a_checkpoint_resumes_on_the_other_placement_as_if_never_stopped(tmp_path, saved, loaded, stage, precision):
+    engine = _engine(tmp_path / "a", precision=precision, optimizer=saved, stage=stage, clip=0.0)
+    try:
+        tierflow_losses(engine, 3)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        state_at_save = _state(engine)
+        expected = tierflow_losses(engine, 2, first=3)
+    finally:
+        engine.close()
+    engine = _engine(tmp_path / "b", precision=precision, optimizer=loaded, stage=stage, clip=0.0, seed=1)
+    try:
+        assert engine.runtime.state.on_nvme == (loaded == "nvme")
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert engine.global_steps == 3
+        _same(_state(engine), state_at_save, "the loaded optimizer state")
+        assert tierflow_losses(engine, 2, first=3) == expected
+    finally:
+        engine.close()
+    # The state read from NVMe went through a scratch store beside the checkpoint, removed after.
+    assert glob.glob(str(tmp_path / "ckpt" / ".tierflow-moving-state-*")) == []
+
+
+def test_a_corrupt_nvme_checkpoint_loaded_into_host_memory_is_refused_and_changes_nothing(tmp_path):
+    engine = _engine(tmp_path / "a", optimizer="nvme", stage=2, clip=0.0)
+    try:
+        tierflow_losses(engine, 2)
+        path = engine.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        engine.close()
+    blocks = sorted(glob.glob(os.path.join(path, "optimizer", "blocks-*.bin")))
+    assert blocks, os.listdir(os.path.join(path, "optimizer"))
+    middle = os.path.getsize(blocks[0]) // 2
+    with open(blocks[0], "r+b") as f:  # one flipped byte, in some block's bytes
+        f.seek(middle)
+        byte = f.read(1)
+        f.seek(middle)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    engine = _engine(tmp_path / "b", optimizer="cpu", stage=2, clip=0.0, seed=1)
+    try:
+        tierflow_losses(engine, 1)
+        weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        state = _state(engine)
+        with pytest.raises(tierflow.TierflowError, match=r"checksum mismatch \(corrupt data file blocks-"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+        _same(engine.module.state_dict(), weights, "the weights")
+        _same(_state(engine), state, "the optimizer state")
+        assert engine.global_steps == 1
+    finally:
+        engine.close()
+    assert glob.glob(str(tmp_path / "ckpt" / ".tierflow-moving-state-*")) == []
+
+
+def test_zenflow_state_on_another_placement_is_refused_by_name(tmp_path):
+    zenflow = {"topk_ratio": 0.25, "update_interval": 2, "select_interval": 2}
+
+    def make(where, nvme):
+        torch.manual_seed(0)
+        from test_zero import TinyLM
+
+        config = stage2_config(nvme, zenflow=zenflow)
+        engine, *_ = tierflow.initialize(model=TinyLM(), config=config)
+        return engine
+
+    engine = make("a", tmp_path / "nvme-a")
+    try:
+        tierflow_losses(engine, 2)
+        engine.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        engine.close()
+    engine = make("b", None)
+    try:
+        with pytest.raises(ValueError, match=r"saved on NVMe, this run keeps it in host memory .*only for Adam/AdamW"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+        engine.load_checkpoint(tmp_path / "ckpt", load_optimizer_states=False)  # the model alone, as it says
+        assert engine.global_steps == 2
+    finally:
+        engine.close()
