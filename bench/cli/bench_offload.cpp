@@ -253,6 +253,7 @@ void print_run_line(unsigned repeat, unsigned repeats, const bench::offload_resu
                 slow->waited_for().c_str());
   else
     std::printf("\n");
+  std::fflush(stdout);  // a line as each run ends, not all at the end of a long series
 }
 
 std::string spread_text(const bench::spread& s, const char* format) {
