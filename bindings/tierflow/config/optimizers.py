@@ -90,20 +90,35 @@ class MuonConfig:
         return (f": Muon for the hidden matrices at lr {_shown(self.muon_group_lr)}, AdamW for the rest at lr "
                 f"{_shown(self.adam_group_lr)}")
 
-    def build(self, model: Any, *, threads: int | None = None) -> tuple[Any, Any]:
-        """``(Muon, AdamW)``: tierflow's optimizers over ``model``'s parameters
-        split by :func:`~tierflow.torch.optim.muon_param_groups` (either is
-        None when its share is empty). An unresolved ``"auto"`` raises
-        ValueError naming it."""
-        from tierflow.torch.optim import AdamW, Muon, muon_param_groups
+    def muon_options(self) -> dict[str, Any]:
+        """:class:`~tierflow.torch.optim.Muon`'s keywords for the hidden
+        matrices (DeepSpeed's rule: Nesterov, 5 Newton–Schulz steps, torch's
+        lr scaling). An unresolved ``"auto"`` raises ValueError naming it."""
+        self._refuse_auto()
+        return dict(lr=self.muon_group_lr, momentum=self.momentum, weight_decay=self.weight_decay,
+                    nesterov=True, ns_steps=5)
 
+    def adamw_options(self) -> dict[str, Any]:
+        """:class:`~tierflow.torch.optim.AdamW`'s keywords for the rest."""
+        self._refuse_auto()
+        return dict(lr=self.adam_group_lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+    def _refuse_auto(self) -> None:
         _refuse_auto("optimizer.params.lr", self.muon_group_lr)
         _refuse_auto("optimizer.params.lr", self.adam_group_lr)
         for name in ("weight_decay", "betas", "eps"):
             _refuse_auto(f"optimizer.params.{name}", getattr(self, name))
+
+    def build(self, model: Any, *, threads: int | None = None) -> tuple[Any, Any]:
+        """``(Muon, AdamW)``: tierflow's optimizers over ``model``'s parameters
+        split by :func:`~tierflow.torch.optim.muon_param_groups` (either is
+        None when its share is empty), with :meth:`muon_options` and
+        :meth:`adamw_options`. An unresolved ``"auto"`` raises ValueError
+        naming it."""
+        from tierflow.torch.optim import AdamW, Muon, muon_param_groups
+
+        muon_options, adamw_options = self.muon_options(), self.adamw_options()
         hidden, rest = muon_param_groups(model)
-        muon = Muon(hidden, lr=self.muon_group_lr, momentum=self.momentum, weight_decay=self.weight_decay,
-                    nesterov=True, ns_steps=5, threads=threads) if hidden else None
-        adamw = AdamW(rest, lr=self.adam_group_lr, betas=self.betas, eps=self.eps,
-                      weight_decay=self.weight_decay, threads=threads) if rest else None
+        muon = Muon(hidden, threads=threads, **muon_options) if hidden else None
+        adamw = AdamW(rest, threads=threads, **adamw_options) if rest else None
         return muon, adamw

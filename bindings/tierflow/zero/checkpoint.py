@@ -603,10 +603,13 @@ def _check_optimizer_dir(engine: "Engine", directory: str) -> None:
     """Checks the optimizer's own NVMe checkpoint in ``directory`` is there
     and for parameters grouped as this run's (its layout is checked by the
     optimizer's load, before it changes anything)."""
-    for name in ("optimizer.pt", "manifest.json"):
-        if not os.path.isfile(os.path.join(directory, name)):
-            raise FileNotFoundError(errno.ENOENT, f"load_checkpoint: {os.path.join(directory, name)} is missing "
-                                                  "(the optimizer's NVMe checkpoint)", os.path.join(directory, name))
+    files = getattr(engine.runtime.state.owner, "checkpoint_files", None)  # (MuonWithAuxAdam: one per part)
+    needed = files(directory) if callable(files) else [os.path.join(directory, n) for n in ("optimizer.pt",
+                                                                                           "manifest.json")]
+    for path in needed:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(errno.ENOENT, f"load_checkpoint: {path} is missing "
+                                                  "(the optimizer's NVMe checkpoint)", path)
     meta = _load_plain(os.path.join(directory, "optimizer.pt"), "the optimizer's state")
     engine.runtime.state.check_directory(meta, directory, engine.precision)
 

@@ -160,9 +160,18 @@ class OverlappedStep:
             self._pool.shutdown(wait=True)
 
 
-def overlappable(config: Any, needs_norm: bool) -> bool:
-    """Whether a stage-3 run under ``config`` may step during its backward:
-    no global norm to know first (``needs_norm``: gradient clipping, fp16's
-    loss scale, bf16.check_grad_overflow), the plain Adam/AdamW step, and
-    ``tierflow.overlap_step`` on."""
+def overlappable(config: Any, needs_norm: bool, world_size: int = 1) -> bool:
+    """Whether a stage-3 run under ``config`` over ``world_size`` ranks may
+    step during its backward: no global norm to know first (``needs_norm``:
+    gradient clipping, fp16's loss scale, bf16.check_grad_overflow), no
+    ZenFlow, ``tierflow.overlap_step`` on, and each step of one parameter's
+    own values. Adam/AdamW's is elementwise, so a rank's shard steps alone.
+    Muon's needs its whole matrix (Newton–Schulz of the momentum update):
+    with one rank the parameter's final gradient is the whole matrix's and
+    it steps as Adam's does; over several ranks a shard is not, so Muon
+    never overlaps there (and the engine refuses that case today)."""
+    from tierflow.config import MuonConfig
+
+    if isinstance(config.optimizer, MuonConfig) and world_size > 1:
+        return False
     return not needs_norm and config.zero.zenflow is None and bool(config.tierflow.overlap_step)

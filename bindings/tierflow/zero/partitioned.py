@@ -18,14 +18,15 @@ from typing import Any, Callable
 
 import torch
 
-from tierflow.config import Config
+from tierflow.config import Config, MuonConfig
 from tierflow.zero.comm import Group, current_group
 from tierflow.zero.hooks import ModuleHooks
 from tierflow.zero.init import mark
 from tierflow.zero.overlap import OverlappedStep, overlappable
 from tierflow.zero.partition import ParamStore, Partition
 from tierflow.zero.plan import Plan, format_bytes, links_of, make_plan, parameters_of, tiers_of
-from tierflow.zero.runtime import OptimizerSide, adam_class_and_options, optimizer_nvme, zenflow_options
+from tierflow.zero.runtime import (OptimizerSide, adam_class_and_options, muon_named, muon_optimizer,
+                                   optimizer_nvme, zenflow_options)
 from tierflow.zero.zenflow import PartitionedZenFlow
 
 __all__ = ["PartitionedRuntime"]
@@ -64,6 +65,8 @@ class PartitionedRuntime:
             if config.zero.zenflow is not None:  # ZenFlow steps fp32 masters in host memory
                 self.zenflow = PartitionedZenFlow(self.params, model, trainable, zenflow_options(config, nvme))
                 self.optimizer = self.zenflow.optimizer
+            elif isinstance(config.optimizer, MuonConfig):  # with one rank, each step parameter is its whole matrix
+                self.optimizer = muon_optimizer(config, muon_named(model, trainable, self._own), nvme)
             else:
                 cls, kwargs = adam_class_and_options(config, nvme)
                 self.optimizer = cls(self._stepped(trainable), **kwargs)
@@ -73,7 +76,8 @@ class PartitionedRuntime:
             self.params.close()
             raise
         self.state = OptimizerSide(self.optimizer, self.zenflow)
-        self._overlap = OverlappedStep(self.params, self.optimizer, steps=overlappable(config, needs_norm),
+        self._overlap = OverlappedStep(self.params, self.optimizer,
+                                       steps=overlappable(config, needs_norm, group.world_size),
                                        on_norm=self._count_norm)
 
     # ---- construction -------------------------------------------------------------------------
@@ -114,12 +118,14 @@ class PartitionedRuntime:
         this rank's flat shard with several (as DeepSpeed's stage-3
         optimizer holds flat partitions)."""
 
-        def own(p: Any) -> Any:
-            part = self.params.part_of(p)
-            return part.step_param if part is not None else p
-
+        own = self._own
         return [{**g, "params": [own(p) for p in g["params"]]} if isinstance(g, dict) else own(g)
                 for g in trainable]
+
+    def _own(self, p: Any) -> Any:
+        """What the optimizer steps for the model's parameter ``p``."""
+        part = self.params.part_of(p)
+        return part.step_param if part is not None else p
 
     @property
     def device(self) -> torch.device:

@@ -64,7 +64,7 @@ from typing import Any, Iterable
 
 import torch
 
-from tierflow.config import AUTO, Config
+from tierflow.config import AUTO, Config, MuonConfig
 
 __all__ = ["Plan", "ParamInfo", "make_plan", "estimate_memory", "format_bytes", "zenflow_host_bytes",
            "zenflow_nvme_bytes"]
@@ -394,12 +394,14 @@ def make_plan(model: torch.nn.Module | None, config: Config, *, sizes: dict[str,
 
     optimizer_host: int | None = None
     zenflow_host = sum(zenflow_bytes) if zenflow_bytes is not None else 0
+    # Muon's engine optimizer streams two stores (Muon's and AdamW's), each at least the minimum.
+    least_optimizer = _MIN_OPTIMIZER_HOST * (2 if isinstance(config.optimizer, MuonConfig) else 1)
     if t.host_memory is not None:
         total = int(t.host_memory)
         if zenflow_nvme is not None:  # four of the largest matrix let its stream overlap; more buys nothing
             optimizer_host = max(zenflow_least, min(total // 4, 4 * zenflow_least, zenflow_nvme))
         elif optimizer_offload == "nvme":
-            optimizer_host = max(_MIN_OPTIMIZER_HOST, min(total // 4, pages(state_size if known else total)))
+            optimizer_host = max(least_optimizer, min(total // 4, pages(state_size if known else total)))
         host_budget = total - (optimizer_host or 0) - zenflow_host
         sources["host"] = sources["optimizer"] = "tierflow.host_memory"
         if host_budget < minimum_host:
@@ -428,7 +430,7 @@ def make_plan(model: torch.nn.Module | None, config: Config, *, sizes: dict[str,
             if zenflow_nvme is not None:
                 optimizer_host = max(zenflow_least, min(zenflow_nvme, buffers))
             else:
-                optimizer_host = max(_MIN_OPTIMIZER_HOST, min(pages(state_size), buffers))
+                optimizer_host = max(least_optimizer, min(pages(state_size), buffers))
             sources["optimizer"] = "offload_optimizer.buffer_count × sub_group_size"
         if zenflow_bytes is not None and zenflow_nvme is None:
             sources["optimizer"] = "ZenFlow's state, beside the store's host tier"

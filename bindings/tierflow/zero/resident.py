@@ -14,9 +14,10 @@ from typing import Any, Callable
 
 import torch
 
-from tierflow.config import Config
+from tierflow.config import Config, MuonConfig
 from tierflow.zero import copies
-from tierflow.zero.runtime import OptimizerSide, adam_class_and_options, optimizer_nvme, zenflow_options
+from tierflow.zero.runtime import (OptimizerSide, adam_class_and_options, muon_named, muon_optimizer,
+                                   optimizer_nvme, zenflow_options)
 from tierflow.zero.zenflow import PartitionedZenFlow, ResidentParams
 
 __all__ = ["ResidentRuntime"]
@@ -34,13 +35,23 @@ class ResidentRuntime:
 
     def __init__(self, model: torch.nn.Module, config: Config, trainable: list, *, precision: str) -> None:
         self.module = model
+        if isinstance(config.optimizer, MuonConfig):
+            named = muon_named(model, trainable, lambda p: p)
+            where = next((p.device for _, p in named if p.device.type != "cpu"), None)
+            if where is not None:
+                raise ValueError(f"optimizer.type: Muon at zero_optimization.stage {config.zero.stage} with the model on "
+                                 f"{where}; Muon steps host matrices in place (give stage 3, whose step runs on "
+                                 "host copies, or keep the model on the CPU)")
         if precision != "fp32":
             model.to(_DTYPES[precision])
         self.zenflow: PartitionedZenFlow | None = None
         self._finish_hook: Any = None
         nvme = optimizer_nvme(config, 0, 1, None)
         zf = config.zero.zenflow
-        if zf is None:
+        if isinstance(config.optimizer, MuonConfig):
+            self.optimizer = muon_optimizer(config, named, nvme)
+            self.state = OptimizerSide(self.optimizer)
+        elif zf is None:
             cls, kwargs = adam_class_and_options(config, nvme)
             self.optimizer = cls(trainable, **kwargs)
             self.state = OptimizerSide(self.optimizer)
@@ -169,3 +180,4 @@ class ResidentRuntime:
         if self._finish_hook is not None:
             self._finish_hook.remove()
         self.state.close()
+

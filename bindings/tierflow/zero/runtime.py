@@ -28,7 +28,8 @@ import torch
 from tierflow.config import AUTO, AdamConfig, Config, MuonConfig
 from tierflow.zero.plan import Plan, links_of, tiers_of
 
-__all__ = ["Runtime", "OptimizerSide", "check_optimizer", "zenflow_options", "adam_class_and_options"]
+__all__ = ["Runtime", "OptimizerSide", "check_optimizer", "zenflow_options", "adam_class_and_options",
+           "muon_optimizer", "muon_named"]
 
 
 class Runtime(Protocol):
@@ -115,19 +116,26 @@ class Runtime(Protocol):
     def close(self) -> None: ...
 
 
-def check_optimizer(config: Config) -> None:
-    """Refuses, by key, an optimizer section the engine cannot step."""
+def check_optimizer(config: Config, world_size: int = 1) -> None:
+    """Refuses, by key, an optimizer section the engine cannot step over
+    ``world_size`` ranks."""
     opt = config.optimizer
     if opt is None:
         raise ValueError("optimizer: missing; the engine steps the optimizer the config names "
-                         "(type Adam or AdamW, with its params)")
+                         "(type Adam, AdamW or Muon, with its params)")
     if config.zero.zenflow is not None and not isinstance(opt, AdamConfig):
         raise ValueError(f"optimizer.type: {opt.type} with zenflow; ZenFlow steps Adam or AdamW")
     if isinstance(opt, MuonConfig):
-        raise ValueError("optimizer.type: Muon; the engine steps Adam or AdamW for now "
-                         "(tierflow.torch.optim.Muon steps Muon in a plain torch loop)")
-    for name in ("lr", "betas", "eps", "weight_decay"):
-        if getattr(opt, name) is AUTO:
+        if config.zero.stage == 3 and world_size > 1:
+            raise ValueError(f"optimizer.type: Muon at zero_optimization.stage 3 over {world_size} ranks; each rank "
+                             "holds a flat shard of every matrix and Newton–Schulz needs the whole one (run one "
+                             "rank, or type Adam/AdamW)")
+        values = [("lr", opt.muon_group_lr), ("lr", opt.adam_group_lr), ("betas", opt.betas), ("eps", opt.eps),
+                  ("weight_decay", opt.weight_decay)]
+    else:
+        values = [(name, getattr(opt, name)) for name in ("lr", "betas", "eps", "weight_decay")]
+    for name, value in values:
+        if value is AUTO:
             raise ValueError(f'optimizer.params.{name}: "auto" is unresolved; give a value')
 
 
@@ -173,6 +181,62 @@ def adam_class_and_options(config: Config, nvme: dict[str, Any]) -> tuple[type, 
     return (AdamW if opt.decoupled_weight_decay else Adam), kwargs
 
 
+def muon_optimizer(config: Config, named: list[tuple[str, torch.Tensor]], nvme: dict[str, Any]) -> Any:
+    """The engine's optimizer under an ``optimizer.type: Muon`` section:
+    :class:`~tierflow.zero.muon.MuonWithAuxAdam` over tierflow's Muon for
+    the hidden matrices of ``named`` ((name, what steps) pairs, every name
+    of a tied parameter) and AdamW for the rest, split by
+    :func:`~tierflow.torch.optim.muon_param_groups`' rule, placed by
+    ``nvme`` (:func:`optimizer_nvme`): with the state on NVMe, each part's
+    files in a directory of its own and the host budget shared by the
+    parts' state sizes (each at least the store's minimum)."""
+    from tierflow.torch.optim import AdamW, Muon, muon_param_groups
+    from tierflow.zero.muon import PART_NAMES, MuonWithAuxAdam
+
+    opt = config.optimizer
+    hidden, rest = muon_param_groups(named)
+    placement: dict[bool, dict[str, Any]] = {True: {}, False: {}}
+    if nvme:
+        state_bytes = {True: sum(p.numel() * 4 for p in hidden), False: sum(p.numel() * 8 for p in rest)}
+        for use_muon in (True, False):
+            part = {k: v for k, v in nvme.items() if k != "host_memory" and (k != "aio" or not use_muon)}
+            part["nvme_dir"] = os.path.join(nvme["nvme_dir"], PART_NAMES[use_muon])
+            os.makedirs(part["nvme_dir"], mode=0o700, exist_ok=True)
+            placement[use_muon] = part
+        if "host_memory" in nvme and hidden and rest:
+            total, least = int(nvme["host_memory"]), _MIN_STORE_HOST
+            share = total * state_bytes[True] // max(1, state_bytes[True] + state_bytes[False])
+            share = min(max(least, share // 4096 * 4096), max(least, total - least))
+            placement[True]["host_memory"], placement[False]["host_memory"] = share, max(least, total - share)
+        elif "host_memory" in nvme:
+            placement[bool(hidden)]["host_memory"] = nvme["host_memory"]
+    threads = config.tierflow.threads
+    muon = Muon(hidden, threads=threads, **opt.muon_options(), **placement[True]) if hidden else None
+    try:
+        adamw = AdamW(rest, threads=threads, **opt.adamw_options(), **placement[False]) if rest else None
+    except BaseException:
+        if muon is not None:
+            muon.close()
+        raise
+    return MuonWithAuxAdam(muon, adamw)
+
+
+def muon_named(model: torch.nn.Module, trainable: list, stepped: Callable[[torch.nn.Parameter], Any]
+               ) -> list[tuple[str, Any]]:
+    """(name, ``stepped(p)``) for each name of each ``trainable`` parameter
+    of ``model`` (a tied one under every name, so muon_param_groups sees
+    its head's name), for :func:`~tierflow.zero.runtime.muon_optimizer`.
+    Param groups are refused: the engine makes Muon's and AdamW's itself."""
+    if any(isinstance(g, dict) for g in trainable):
+        raise ValueError("model_parameters: param groups with optimizer.type Muon; the engine makes Muon's group "
+                         "(the hidden matrices) and AdamW's (the rest) itself: give parameters, or none")
+    chosen = {id(p) for p in trainable}
+    return [(name, stepped(p)) for name, p in model.named_parameters(remove_duplicate=False) if id(p) in chosen]
+
+
+_MIN_STORE_HOST = 64 << 10  # an NVMe state store's least host budget (plan.py's _MIN_OPTIMIZER_HOST)
+
+
 class OptimizerSide:
     """A runtime's optimizer as a checkpoint sees it: ``optimizer`` (what
     steps, and what the LR scheduler sees) and, when ZenFlow steps fp32
@@ -206,6 +270,7 @@ class OptimizerSide:
         """Checks a state saved in memory form (``torch.load``'s result)
         against this optimizer; ``numel``: :meth:`Runtime.local_numel`."""
         from tierflow.torch.optim import Adam
+        from tierflow.zero.muon import MuonWithAuxAdam
 
         if self.zenflow is not None:
             if not isinstance(saved, dict) or "optimizer" not in saved:
@@ -226,7 +291,7 @@ class OptimizerSide:
         if not isinstance(saved, dict) or "param_groups" not in saved or "state" not in saved:
             raise ValueError(f"load_checkpoint: {path} is not an optimizer state_dict")
         _check_groups(saved["param_groups"], self.optimizer.param_groups, path)
-        if isinstance(self.optimizer, Adam):
+        if isinstance(self.optimizer, (Adam, MuonWithAuxAdam)):
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
             ids = [i for g in saved["param_groups"] for i in g["params"]]
             for index, (i, p) in enumerate(zip(ids, params)):
@@ -251,34 +316,22 @@ class OptimizerSide:
     def load(self, saved: Any) -> None:
         """Loads a state :meth:`check_saved` passed."""
         from tierflow.torch.optim import Adam
+        from tierflow.zero.muon import MuonWithAuxAdam, set_masters
 
         if self.zenflow is not None:
             self.zenflow.load_state_dict(saved)
         elif isinstance(self.optimizer, Adam):
-            self._load_adam(saved)
+            _load_adam(self.optimizer, saved)
+        elif isinstance(self.optimizer, MuonWithAuxAdam):
+            for part, share in self.optimizer.split_state_dict(saved):
+                if isinstance(part, Adam):
+                    _load_adam(part, share)
+                else:  # Muon: the same rule for its masters
+                    part.load_state_dict(share)
+                    set_masters(part, share)
+            self.optimizer.rejoin()
         else:
             self.optimizer.load_state_dict(saved)
-
-    def _load_adam(self, saved: dict[str, Any]) -> None:
-        """tierflow Adam's load of ``saved`` (into RAM or, a state saved in
-        host memory, into its NVMe store) with the saved fp32 masters set as
-        they are: its own load would remake a master that does not round to
-        its parameter's value, which a parameter in the store (a placeholder)
-        never does."""
-        from tierflow.torch.optim import MASTER_KEY
-
-        masters, state = {}, {}
-        for i, entry in saved["state"].items():
-            if MASTER_KEY in entry:
-                masters[i] = entry[MASTER_KEY]
-                entry = {k: v for k, v in entry.items() if k != MASTER_KEY}
-            state[i] = entry
-        self.optimizer.load_state_dict({**saved, "state": state})
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        ids = [i for g in saved["param_groups"] for i in g["params"]]
-        for i, p in zip(ids, params):
-            if i in masters:
-                self.optimizer._set_master(p, masters[i])
 
     def refresh(self) -> None:
         """The fp32 masters follow the model's loaded values (its state was
@@ -294,6 +347,12 @@ class OptimizerSide:
         """A copy of the fp32 master the optimizer keeps of ``p`` (a parameter it steps), or None."""
         from tierflow.torch.optim.adam import MASTER_KEY
 
+        master_of = getattr(self.optimizer, "master_of", None)  # (MuonWithAuxAdam: its parts know)
+        if callable(master_of):
+            try:
+                return master_of(p)
+            except KeyError:
+                return None  # one it does not step
         read = getattr(self.optimizer, "_read_state", None)
         if getattr(self.optimizer, "offload", "cpu") == "nvme" and callable(read):
             group = next((g for g in self.optimizer.param_groups if any(q is p for q in g["params"])), None)
@@ -305,6 +364,9 @@ class OptimizerSide:
         """The optimizer's tiers and links (its state's NVMe store), or None."""
         if self.zenflow is not None:
             return self.zenflow.memory_stats()
+        telemetries = getattr(self.optimizer, "telemetries", None)  # (MuonWithAuxAdam: a store per part)
+        if callable(telemetries):
+            return _joint_stats(telemetries())
         telemetry = getattr(self.optimizer, "telemetry", None)
         t = telemetry() if callable(telemetry) else None
         return None if t is None else {"tiers": tiers_of(t), "bytes": links_of(t)}
@@ -323,3 +385,44 @@ def _check_groups(saved_groups: list, groups: list, path: str) -> None:
     if saved != ours:
         raise ValueError(f"load_checkpoint: {path} holds the state of param groups of {saved} parameters, this "
                          f"optimizer has {ours} (load_optimizer_states=False loads the model alone)")
+
+
+def _load_adam(optimizer: Any, saved: dict[str, Any]) -> None:
+    """tierflow Adam's load of ``saved`` (into RAM or, a state saved in host
+    memory, into its NVMe store) with the saved fp32 masters set as they
+    are: its own load would remake a master that does not round to its
+    parameter's value, which a parameter in the store (a placeholder) never
+    does."""
+    from tierflow.torch.optim import MASTER_KEY
+
+    masters, state = {}, {}
+    for i, entry in saved["state"].items():
+        if MASTER_KEY in entry:
+            masters[i] = entry[MASTER_KEY]
+            entry = {k: v for k, v in entry.items() if k != MASTER_KEY}
+        state[i] = entry
+    optimizer.load_state_dict({**saved, "state": state})
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    for i, p in zip(ids, params):
+        if i in masters:
+            optimizer._set_master(p, masters[i])
+
+
+def _joint_stats(telemetries: list[dict]) -> dict[str, Any] | None:
+    """The tiers and links of several NVMe stores as one's: each tier's
+    budget, use and high-water mark and each link's bytes summed (a high
+    water summed is an upper bound of the stores' joint one)."""
+    if not telemetries:
+        return None
+    tiers: dict[str, dict[str, int | None]] = {}
+    links: dict[str, int] = {}
+    for t in telemetries:
+        for kind, tier in tiers_of(t).items():
+            into = tiers.setdefault(kind, {"budget": 0, "used": 0, "high_water": 0})
+            into["budget"] = None if into["budget"] is None or tier["budget"] is None else into["budget"] + tier["budget"]
+            into["used"] += tier["used"]
+            into["high_water"] += tier["high_water"]
+        for name, moved in links_of(t).items():
+            links[name] = links.get(name, 0) + moved
+    return {"tiers": tiers, "bytes": links}

@@ -456,9 +456,9 @@ class Muon(_NvmeState, Optimizer):
         for group in self.param_groups:
             _check_group(group)
 
-    def _init_group(self, group: dict[str, Any]):
+    def _init_group(self, group: dict[str, Any], chosen: list[Tensor] | None = None):
         params, grads, momentum_buffers, masters = [], [], [], []
-        for p in group["params"]:
+        for p in group["params"] if chosen is None else chosen:
             if p.grad is None:
                 continue
             if torch.is_complex(p):
@@ -518,6 +518,52 @@ class Muon(_NvmeState, Optimizer):
             if master is not None:  # nearest-even, as the kernel writes a parameter from its master
                 param.detach().copy_(master)
 
+    def _step_group(self, group: dict[str, Any], chosen: list[Tensor] | None = None) -> None:
+        """One step of ``group``'s parameters that have a gradient (of
+        ``chosen`` alone, when given: parameters of this group)."""
+        _check_group(group)
+        params, grads, momentum_buffers, masters = self._init_group(group, chosen)
+        if self._nvme is not None:
+            self._step_nvme(group, params, grads, masters)
+            return
+        muon(
+            params, grads, momentum_buffers, masters,
+            executor=self._executor,
+            workspace=self._workspace,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+            ns_coefficients=group["ns_coefficients"],
+            eps=group["eps"],
+            ns_steps=group["ns_steps"],
+            adjust_lr_fn=group["adjust_lr_fn"],
+            ns_dtype=self.ns_dtype,
+        )
+
+    @torch.no_grad()
+    def step_parameters(self, params: list[Tensor]) -> set[Tensor]:
+        """Steps only ``params`` (host matrices, each with its ``.grad``),
+        each with its own param group's hyper-parameters, as
+        :meth:`Adam.step_parameters <tierflow.torch.optim.Adam.step_parameters>`:
+        for an engine that steps parameters as their gradients become final.
+        Each matrix's step is its own (Newton–Schulz of its whole momentum
+        update), so the result is :meth:`step`'s whatever the order or the
+        batching. Runs no step hooks. Returns the parameters skipped for a
+        non-finite gradient: none (Muon steps every gradient it is given)."""
+        chosen: dict[int, list[Tensor]] = {}
+        index_of = {id(q): i for i, g in enumerate(self.param_groups) for q in g["params"]}
+        for p in params:
+            if p.grad is None:
+                raise ValueError("step_parameters: a parameter without a gradient")
+            index = index_of.get(id(p))
+            if index is None:
+                raise ValueError("step_parameters: a parameter this optimizer does not hold")
+            chosen.setdefault(index, []).append(p)
+        for index in sorted(chosen):
+            self._step_group(self.param_groups[index], chosen[index])
+        return set()
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step over every parameter that has a gradient; returns the
@@ -527,25 +573,7 @@ class Muon(_NvmeState, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            _check_group(group)
-            params, grads, momentum_buffers, masters = self._init_group(group)
-            if self._nvme is not None:
-                self._step_nvme(group, params, grads, masters)
-                continue
-            muon(
-                params, grads, momentum_buffers, masters,
-                executor=self._executor,
-                workspace=self._workspace,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                momentum=group["momentum"],
-                nesterov=group["nesterov"],
-                ns_coefficients=group["ns_coefficients"],
-                eps=group["eps"],
-                ns_steps=group["ns_steps"],
-                adjust_lr_fn=group["adjust_lr_fn"],
-                ns_dtype=self.ns_dtype,
-            )
+            self._step_group(group)
         return loss
 
 
