@@ -139,7 +139,7 @@ CASES = [(2, "cpu", 0.0), (2, "nvme", 0.0), (3, "cpu", 0.0), (3, "nvme", 0.0), (
 
 
 @pytest.mark.parametrize("stage,state,clip", CASES,
-                         ids=[f"stage{s}-{where}-{'clip' if c else 'overlapped'}" for s, where, c in CASES])
+                         ids=[f"stage{s}-{where}-{'clipped' if c else 'unclipped'}" for s, where, c in CASES])
 def test_the_engine_steps_muon_as_a_plain_loop_over_muon_config_build(tmp_path, stage, state, clip):
     reference = plain_losses(tierflow_pair, clip=clip)
     engine = make_engine(config(tmp_path, stage, state, clip=clip))
@@ -165,3 +165,131 @@ def test_the_engine_tracks_torch_optim_muon_and_adamw_within_bf16_newton_schulz(
     finally:
         engine.close()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=2e-3, atol=0)
+
+
+RESUMES = [(2, "cpu", None), (3, "nvme", None), (3, "cpu", "bf16"), (3, "nvme", "bf16")]
+
+
+@pytest.mark.parametrize("stage,state,precision", RESUMES,
+                         ids=[f"stage{s}-{where}-{p or 'fp32'}" for s, where, p in RESUMES])
+def test_a_checkpoint_resumes_both_groups_as_if_never_stopped(tmp_path, stage, state, precision):
+    extra = {precision: {"enabled": True}} if precision else {}
+    cfg = config(tmp_path, stage, state, **extra)
+    data = batches(2 * STEPS * GAS)
+    engine = make_engine(cfg)
+    try:
+        engine_losses(engine, STEPS, data=data)
+        engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+        uninterrupted = engine_losses(engine, STEPS, first=STEPS, data=data)
+    finally:
+        engine.close()
+    torch.manual_seed(1)  # other initial values: the checkpoint gives them back
+    cfg["zero_optimization"]["offload_optimizer"].get("nvme_path") and cfg["zero_optimization"][
+        "offload_optimizer"].update(nvme_path=str(tmp_path / "nvme2"))
+    resumed, *_ = tierflow.initialize(model=SmallLM(), config=cfg)
+    try:
+        resumed.load_checkpoint(tmp_path / "ckpt", tag="t")
+        momentum = [s["momentum_buffer"] for s in resumed.optimizer.state_dict()["state"].values()
+                    if "momentum_buffer" in s]
+        assert len(momentum) == 4 and all(m.abs().sum() > 0 for m in momentum)
+        again = engine_losses(resumed, STEPS, first=STEPS, data=data)
+    finally:
+        resumed.close()
+    assert again == uninterrupted
+
+
+def test_the_lr_scheduler_get_lr_and_state_dict_see_one_optimizer_in_torchs_layout(tmp_path):
+    def halving(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+
+    def scheduled_pair(model):
+        pair = tierflow_pair(model)
+        schedules.extend(halving(o) for o in pair)
+        return pair
+
+    schedules = []  # the plain loop steps each optimizer's own schedule after it
+    torch.manual_seed(0)
+    engine, optimizer, _, scheduler = tierflow.initialize(model=SmallLM(), config=config(tmp_path, 3, "cpu"),
+                                                          lr_scheduler=halving)
+    try:
+        assert scheduler.optimizer is optimizer is engine.optimizer
+        losses = engine_losses(engine)
+        assert engine.get_lr() == pytest.approx([0.02 * 0.5 ** STEPS, 3e-3 * 0.5 ** STEPS])
+        assert [g["lr"] for part in optimizer.parts for g in part.param_groups] == engine.get_lr()
+        saved = optimizer.state_dict()
+    finally:
+        engine.close()
+    # The reference: the same schedule on each of MuonConfig.build's optimizers.
+    torch.manual_seed(0)
+    model = SmallLM()
+    pair = scheduled_pair(model)
+    data = batches(STEPS * GAS)
+    reference = []
+    for step in range(STEPS):
+        for micro in range(GAS):
+            loss = model(*data[step * GAS + micro])
+            (loss / GAS).backward()
+            reference.append(loss.item())
+        clip_as_deepspeed(model.parameters(), 1.0)
+        for opt, schedule in zip(pair, schedules):
+            opt.step()
+            opt.zero_grad()
+            schedule.step()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+    # torch's layout: Muon's group, then AdamW's, each loading into torch's own optimizer.
+    assert [g["use_muon"] for g in saved["param_groups"]] == [True, False]
+    muon_ids, adamw_ids = (g["params"] for g in saved["param_groups"])
+    assert muon_ids == [0, 1, 2, 3] and adamw_ids == list(range(4, 15))
+    assert all(set(saved["state"][i]) == {"momentum_buffer"} for i in muon_ids)
+    assert all(set(saved["state"][i]) == {"step", "exp_avg", "exp_avg_sq"} for i in adamw_ids)
+    hidden, rest = muon_param_groups(SmallLM())
+    for params, group, cls in ((hidden, saved["param_groups"][0], torch.optim.Muon),
+                               (rest, saved["param_groups"][1], torch.optim.AdamW)):
+        peer = cls(params)
+        peer.load_state_dict({"state": {i: saved["state"][i] for i in group["params"]}, "param_groups": [group]})
+        for i, p in zip(group["params"], params):
+            for key, value in saved["state"][i].items():
+                torch.testing.assert_close(peer.state[p][key], value, rtol=0, atol=0)
+
+
+def test_an_fp16_overflow_skips_both_groups(tmp_path):
+    engine = make_engine(config(tmp_path, 3, "cpu", fp16={"enabled": True, "initial_scale_power": 8}))
+    try:
+        before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        x, y = batches(1)[0]
+        for _ in range(GAS):
+            engine.backward(engine(x, y) * float("inf"))
+            if engine.is_gradient_accumulation_boundary():
+                with pytest.warns(RuntimeWarning, match="overflow"):
+                    engine.step()
+            else:
+                engine.step()
+        assert engine.skipped_steps == 1 and engine.optimizer.overflow
+        assert len(engine.optimizer.state) == 0  # neither part stepped
+        after = engine.module.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        engine_losses(engine, 1)  # the next boundary steps both groups
+        assert not engine.optimizer.overflow and len(engine.optimizer.state) == 15
+    finally:
+        engine.close()
+
+
+def test_muon_with_zenflow_stage_3_over_ranks_and_param_groups_are_refused(tmp_path):
+    cfg = config(tmp_path, 2, "cpu")
+    cfg["zero_optimization"]["zenflow"] = {"topk_ratio": 0.1}
+    with pytest.raises(ValueError, match=r"^optimizer.type: Muon with zenflow; ZenFlow steps Adam or AdamW$"):
+        tierflow.initialize(model=SmallLM(), config=cfg)
+    stage3 = from_deepspeed(config(tmp_path, 3, "cpu"), world_size=2)
+    with pytest.raises(ValueError, match=r"^optimizer.type: Muon at zero_optimization.stage 3 over 2 ranks; .*"
+                                         r"Newton–Schulz needs the whole one"):
+        check_optimizer(stage3, 2)
+    check_optimizer(from_deepspeed(config(tmp_path, 3, "cpu")), 1)  # one rank: stepped
+    model = SmallLM()
+    with pytest.raises(ValueError, match=r"^model_parameters: param groups with optimizer.type Muon"):
+        tierflow.initialize(model=model, config=config(tmp_path, 2, "cpu"),
+                            model_parameters=[{"params": list(model.parameters())}])
+    section = json.loads(json.dumps(MUON))
+    section["params"]["lr"] = "auto"
+    del section["params"]["muon_lr"]
+    with pytest.raises(ValueError, match=r'^optimizer.params.lr: "auto" is unresolved'):
+        tierflow.initialize(model=SmallLM(), config={**config(tmp_path, 2, "cpu"), "optimizer": section})
