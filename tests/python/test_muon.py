@@ -693,3 +693,31 @@ def test_bf16_momentum_buffers_through_state_dicts_both_ways():
     assert copy.deepcopy(back).state_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="Invalid state_dtype"):
         Muon(make_model().parameters(), state_dtype="fp16")
+
+
+def test_step_parameters_steps_the_given_matrices_alone_as_step_does():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 4)) for _ in range(3)]
+    peers = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours = Muon([{"params": params[:2]}, {"params": params[2:], "lr": 0.05}], lr=0.02)
+    whole = Muon([{"params": peers[:2]}, {"params": peers[2:], "lr": 0.05}], lr=0.02)
+    untouched = params[1].detach().clone()
+    for step in range(3):
+        grads = [torch.randn(6, 4) for _ in params]
+        for p, q, g in zip(params, peers, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        peers[1].grad = None  # the whole step of the same parameters: 0 and 2
+        assert ours.step_parameters([params[2], params[0]]) == set()
+        whole.step()
+    for i in (0, 2):
+        torch.testing.assert_close(params[i], peers[i], rtol=0, atol=0)
+        torch.testing.assert_close(ours.state[params[i]]["momentum_buffer"],
+                                   whole.state[peers[i]]["momentum_buffer"], rtol=0, atol=0)
+    assert torch.equal(params[1], untouched) and params[1] not in ours.state
+    params[0].grad = None
+    with pytest.raises(ValueError, match="^step_parameters: a parameter without a gradient$"):
+        ours.step_parameters([params[0]])
+    stranger = torch.nn.Parameter(torch.randn(6, 4))
+    stranger.grad = torch.randn(6, 4)
+    with pytest.raises(ValueError, match="^step_parameters: a parameter this optimizer does not hold$"):
+        ours.step_parameters([stranger])

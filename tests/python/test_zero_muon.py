@@ -157,7 +157,8 @@ def test_the_engine_steps_muon_as_a_plain_loop_over_muon_config_build(tmp_path, 
 
 
 def test_the_engine_tracks_torch_optim_muon_and_adamw_within_bf16_newton_schulz(tmp_path):
-    # Measured over these 8 micro-batches: losses within 3e-4 relative of torch's (bf16 Newton–Schulz noise).
+    # Measured over these 8 micro-batches: losses within 4.7e-4 relative of torch's, the bf16 Newton–Schulz
+    # noise test_muon.py measures too (the bound is its BF16_LOSS_RTOL).
     reference = plain_losses(torch_pair)
     engine = make_engine(config(tmp_path, 2, "cpu"))
     try:
