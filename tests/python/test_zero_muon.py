@@ -294,3 +294,34 @@ def test_muon_with_zenflow_stage_3_over_ranks_and_param_groups_are_refused(tmp_p
     del section["params"]["muon_lr"]
     with pytest.raises(ValueError, match=r'^optimizer.params.lr: "auto" is unresolved'):
         tierflow.initialize(model=SmallLM(), config={**config(tmp_path, 2, "cpu"), "optimizer": section})
+
+
+@pytest.mark.parametrize("stage,state", [(3, "cpu"), (3, "nvme"), (2, "nvme")])
+def test_deepspeeds_zero_to_fp32_reads_both_groups_fp32_masters(tmp_path, stage, state):
+    """A bf16 run's checkpoint: DeepSpeed's get_fp32_state_dict_from_zero_checkpoint
+    gives each parameter the fp32 master its part keeps (Muon's in RAM,
+    AdamW's in RAM or on NVMe), the engine's fp32 export the same; the
+    NVMe stores' tiers are reported."""
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except Exception as e:  # optional: scripts/setup.sh --bench installs it
+        pytest.skip(f"deepspeed is not importable ({type(e).__name__}: {e})")
+    import safetensors.torch
+
+    engine = make_engine(config(tmp_path, stage, state, bf16={"enabled": True}))
+    try:
+        engine_losses(engine, 2)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        masters = safetensors.torch.load_file(engine.save_fp32_model(tmp_path / "export"))
+        weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        stats = engine.memory_stats().get("optimizer")
+    finally:
+        engine.close()
+    got = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt"))
+    assert set(got) == set(weights) and set(masters) <= set(got)
+    for name, value in masters.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], value), name
+    for name in ("blocks.0.up.weight", "emb.weight"):  # a Muon and an AdamW parameter: masters, not bf16 widened
+        assert not torch.equal(masters[name], weights[name].float()), name
+    if state == "nvme":
+        assert stats["tiers"]["nvme"]["used"] > 0 and stats["bytes"]["host->nvme"] > 0
