@@ -8,6 +8,9 @@ the state in host memory and on NVMe, a checkpoint resume, and the cases
 the engine refuses."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -325,3 +328,42 @@ def test_deepspeeds_zero_to_fp32_reads_both_groups_fp32_masters(tmp_path, stage,
         assert not torch.equal(masters[name], weights[name].float()), name
     if state == "nvme":
         assert stats["tiers"]["nvme"]["used"] > 0 and stats["bytes"]["host->nvme"] > 0
+
+
+_TWO_RANKS = '''
+import json, os, sys, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+import tierflow
+from test_zero_muon import SmallLM, config
+import pathlib
+dist.init_process_group("gloo")
+model = SmallLM()
+before = {{k: v.clone() for k, v in model.state_dict().items()}}
+try:
+    tierflow.initialize(model=model, config=config(pathlib.Path({tmp!r}), 3, "cpu"))
+    message = None
+except ValueError as e:
+    message = str(e)
+same = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+with open({out!r} + f".rank{{dist.get_rank()}}", "w") as f:
+    json.dump({{"message": message, "untouched": same}}, f)
+dist.destroy_process_group()
+'''
+
+
+def test_stage_3_muon_over_two_ranks_is_refused_by_the_engine_before_anything_moves(tmp_path):
+    script = tmp_path / "two_ranks.py"
+    out = str(tmp_path / "out.json")
+    script.write_text(_TWO_RANKS.format(tests=os.path.dirname(__file__), tmp=str(tmp_path), out=out))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(tierflow.__file__)),
+                                          os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(2):
+        got = json.loads(open(f"{out}.rank{rank}").read())
+        assert got["untouched"]
+        assert got["message"] == ("optimizer.type: Muon at zero_optimization.stage 3 over 2 ranks; each rank holds "
+                                  "a flat shard of every matrix and Newton–Schulz needs the whole one (run one rank, "
+                                  "or type Adam/AdamW)")
