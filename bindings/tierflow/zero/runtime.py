@@ -199,6 +199,7 @@ def muon_optimizer(config: Config, named: list[tuple[str, torch.Tensor]], nvme: 
     if nvme:
         state_bytes = {True: sum(p.numel() * 4 for p in hidden), False: sum(p.numel() * 8 for p in rest)}
         for use_muon in (True, False):
+            # (OffloadedMuon takes no aio options: Muon's files use the default I/O engine.)
             part = {k: v for k, v in nvme.items() if k != "host_memory" and (k != "aio" or not use_muon)}
             part["nvme_dir"] = os.path.join(nvme["nvme_dir"], PART_NAMES[use_muon])
             os.makedirs(part["nvme_dir"], mode=0o700, exist_ok=True)
