@@ -367,3 +367,31 @@ def test_stage_3_muon_over_two_ranks_is_refused_by_the_engine_before_anything_mo
         assert got["message"] == ("optimizer.type: Muon at zero_optimization.stage 3 over 2 ranks; each rank holds "
                                   "a flat shard of every matrix and Newton–Schulz needs the whole one (run one rank, "
                                   "or type Adam/AdamW)")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_weights_loaded_without_the_optimizer_state_restart_both_groups_masters(tmp_path, stage):
+    """load_checkpoint(load_optimizer_states=False) in a bf16 run that has
+    stepped: each part's fp32 masters start again from the loaded weights
+    (DeepSpeed's refresh_fp32_params), so the next step moves the loaded
+    weights by one update, not back to the masters of before."""
+    cfg = config(tmp_path, stage, "cpu", bf16={"enabled": True})
+    engine = make_engine(cfg)
+    try:
+        engine_losses(engine, 1)
+        engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+        loaded = {k: v.float().clone() for k, v in engine.module.state_dict().items()}
+    finally:
+        engine.close()
+    torch.manual_seed(1)
+    other, *_ = tierflow.initialize(model=SmallLM(), config=cfg)
+    try:
+        engine_losses(other, 1)  # masters of its own values
+        other.load_checkpoint(tmp_path / "ckpt", tag="t", load_optimizer_states=False)
+        engine_losses(other, 1, first=1)
+        after = {k: v.float() for k, v in other.module.state_dict().items()}
+    finally:
+        other.close()
+    # One update moves a Muon matrix by about lr·sqrt(4)·|O| (<= 0.04 here) and an AdamW weight by about lr.
+    for name in ("blocks.0.up.weight", "blocks.1.down.weight", "emb.weight"):
+        assert (after[name] - loaded[name]).abs().max() < 0.06, name
