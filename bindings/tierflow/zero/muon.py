@@ -22,10 +22,13 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer
 
+from tierflow import _core, _lifetime
 from tierflow.torch.optim import MASTER_KEY, Adam, Muon
-from tierflow.torch.optim.adam import _LOW_PRECISION, _save_file
+from tierflow.torch.optim.adam import (_LOW_PRECISION, _NvmeState, _check_offload, _master_of, _restore_fp32_state,
+                                       _save_file, _scalar)
+from tierflow.torch.optim.muon import _NS_COEFFICIENTS, _check_hyper_parameters, muon
 
-__all__ = ["MuonWithAuxAdam", "PART_NAMES"]
+__all__ = ["MuonWithAuxAdam", "ShardedMuon", "PART_NAMES"]
 
 # Each part's directory in an NVMe checkpoint (and its state files' directory).
 PART_NAMES = {True: "muon", False: "adamw"}
@@ -298,3 +301,198 @@ def set_masters(part: Optimizer, saved: dict[str, Any]) -> None:
         if torch.is_tensor(value):
             part.state[p][MASTER_KEY] = value.to(device="cpu", dtype=torch.float32,
                                                  memory_format=torch.contiguous_format, copy=True)
+
+
+_MOMENTUM_KEY = "momentum_buffer"
+
+
+class ShardedMuon(_NvmeState, Optimizer):
+    """Muon over stage 3's flat shards of several ranks: each parameter is
+    this rank's 1-D shard of a matrix of ``shapes[id(p)]``; its state is the
+    shard's (``momentum_buffer``, of the shard's size, in RAM or on NVMe;
+    ``master_param`` for a bf16/fp16 shard).
+
+    A step of one matrix, every rank at once, in the order given (the
+    engine steps the same matrices in the same order on every rank): the
+    momentum rule is elementwise, so each rank updates its shard of the
+    buffer, B <- B + (1-mu)(g - B), and of the momentum update,
+    U = g + mu (B - g) with Nesterov (else B); then ``group`` gathers U and
+    the parameter (or its fp32 master) whole, one matrix at a time, and the
+    Muon kernel runs Newton–Schulz of the whole U and the update of the whole
+    matrix (given U as its gradient with momentum 0, so its buffer is U
+    itself), and each rank keeps its shard. Every rank computes the same
+    whole matrix; a rank's transient memory is two whole matrices and the
+    kernel's workspace. Hyper-parameters and their checks are
+    :class:`~tierflow.torch.optim.Muon`'s."""
+
+    _NVME_CLASS = _core.OffloadedMuon
+
+    def __init__(self, params: list[Tensor], shapes: dict[int, tuple[int, int]], group: Any, *,
+                 lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] = _NS_COEFFICIENTS, eps: float = 1e-7,
+                 ns_steps: int = 5, adjust_lr_fn: str | None = None, ns_dtype: torch.dtype = torch.bfloat16,
+                 threads: int | None = None, offload: str = "cpu", nvme_dir: Any = None,
+                 host_memory: int | str | None = None) -> None:
+        _check_hyper_parameters(lr, weight_decay, momentum, ns_coefficients, eps, ns_steps, adjust_lr_fn)
+        _check_offload(offload, nvme_dir, host_memory)
+        for p in params:
+            shape = shapes.get(id(p))
+            if shape is None or len(shape) != 2:
+                raise ValueError(f"ShardedMuon: a parameter of {p.numel()} elements without the 2-D shape of its matrix")
+        self._shapes = dict(shapes)
+        self.group = group
+        self.offload = offload
+        self.ns_dtype = ns_dtype
+        self.threads = threads if threads is not None else torch.get_num_threads()
+        self._executor = _core.Executor(self.threads)
+        self._workspace = _core.MuonWorkspace()
+        self._nvme: Any = None
+        self._slots: dict[Tensor, int] = {}
+        _lifetime.track(self)
+        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
+                    "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps,
+                    "adjust_lr_fn": adjust_lr_fn}
+        super().__init__(params, defaults)
+        if offload == "nvme":
+            self._open_nvme(os.fspath(nvme_dir), host_memory)
+
+    # ---- the NVMe store (as Muon's: one fp32 buffer a parameter) ------------------------------------
+
+    def _nvme_bytes(self, p: Tensor, group: dict[str, Any]) -> int:
+        return p.numel() * 4
+
+    def _add_nvme_param(self, p: Tensor, group: dict[str, Any]) -> int:
+        return self._nvme.add_param(p.numel())
+
+    def _read_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        slot = self._slots[p]
+        if not self._nvme.has(slot):
+            return {}
+        value = torch.empty(p.shape, dtype=torch.float32)
+        self._nvme.read(slot, value)
+        return {_MOMENTUM_KEY: value}
+
+    def _write_state(self, p: Tensor, saved: dict[str, Any]) -> None:
+        slot = self._slots[p]
+        value = saved.get(_MOMENTUM_KEY)
+        if not torch.is_tensor(value):
+            self._nvme.forget(slot)
+            return
+        self._nvme.write(slot, value.detach().to(device="cpu", dtype=torch.float32,
+                                                 memory_format=torch.contiguous_format).reshape(p.shape))
+
+    def _layout(self) -> dict[str, Any]:
+        return {"host_memory": self._nvme.host_memory,
+                "slots": [self._slots[p] for g in self.param_groups for p in g["params"]],
+                "state": self._nvme.layout()}
+
+    def _fresh_chunks(self) -> list[list[bool]]:
+        return [self._nvme.fresh_chunks(slot) for slot in range(self._nvme.slot_count)]
+
+    def save_state(self, directory: str | os.PathLike) -> None:
+        """With offload="nvme", as :meth:`Muon.save_state <tierflow.torch.optim.Muon.save_state>`."""
+        self._save_nvme(directory)
+
+    def load_state(self, directory: str | os.PathLike) -> None:
+        """With offload="nvme", as :meth:`Muon.load_state <tierflow.torch.optim.Muon.load_state>`."""
+        meta, fresh = self._load_nvme(directory, "parameters or host_memory")
+        Optimizer.load_state_dict(self, meta)
+        _restore_fp32_state(self, meta, (MASTER_KEY,))
+        for slot, chunks in enumerate(fresh):
+            self._nvme.set_fresh_chunks(slot, chunks)
+
+    def state_dict(self) -> dict[str, Any]:
+        state_dict = super().state_dict()
+        return state_dict if self._nvme is None else self._merge_nvme_state(state_dict)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, the fp32 master and momentum shards kept fp32; with
+        offload="nvme" the momentum shards are written to NVMe."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for saved_id, p in zip(saved_ids, params):  # refused before anything changes
+            value = state_dict["state"].get(saved_id, {}).get(_MOMENTUM_KEY)
+            if torch.is_tensor(value) and value.numel() != p.numel():
+                raise ValueError(f"state {saved_id} {_MOMENTUM_KEY}: {value.numel()} elements for a shard of "
+                                 f"{p.numel()}")
+        if self._nvme is None:
+            super().load_state_dict(state_dict)
+            _restore_fp32_state(self, state_dict, (MASTER_KEY, _MOMENTUM_KEY))
+            for p in params:  # (torch's load casts to the parameter's dtype; the buffer stays fp32)
+                saved = self.state.get(p, {}).get(_MOMENTUM_KEY)
+                if torch.is_tensor(saved) and saved.dtype != torch.float32:
+                    self.state[p][_MOMENTUM_KEY] = saved.float()
+            return
+        stripped = dict(state_dict)
+        stripped["state"] = {i: {k: v for k, v in st.items() if k != _MOMENTUM_KEY}
+                             for i, st in state_dict["state"].items()}
+        super().load_state_dict(stripped)
+        _restore_fp32_state(self, stripped, (MASTER_KEY,))
+        for saved_id, p in zip(saved_ids, params):
+            self._write_state(p, state_dict["state"].get(saved_id, {}))
+
+    # ---- stepping -----------------------------------------------------------------------------------
+
+    def _step_one(self, group: dict[str, Any], p: Tensor) -> None:
+        """One matrix's step (see the class docstring); every rank calls it
+        for the same matrix at once."""
+        rows, cols = self._shapes[id(p)]
+        numel = rows * cols
+        grad = p.grad.detach().reshape(-1).to(torch.float32)
+        state = self.state[p]
+        low = p.dtype in _LOW_PRECISION
+        if low and MASTER_KEY not in state:
+            state[MASTER_KEY] = _master_of(p).reshape(-1)
+        target = state[MASTER_KEY] if low else p.detach().reshape(-1)
+        if self._nvme is not None:
+            buf = self._read_state(p, group).get(_MOMENTUM_KEY)
+            buf = torch.zeros(p.numel(), dtype=torch.float32) if buf is None else buf.reshape(-1)
+        else:
+            buf = state.get(_MOMENTUM_KEY)
+            if buf is None:
+                buf = state[_MOMENTUM_KEY] = torch.zeros(p.numel(), dtype=torch.float32)
+        # The kernel's momentum rule in its own fp32 arithmetic (optim/src/muon.cpp: mu and 1 - mu
+        # rounded to fp32, each product rounded before its sum), so the step is one rank's to the bit:
+        # B + (1-mu)(g - B), then g + mu (B - g).
+        mu = torch.tensor(_scalar(group["momentum"]), dtype=torch.float32)
+        buf.add_((1 - mu) * (grad - buf))
+        update = grad + mu * (buf - grad) if group["nesterov"] else buf
+        whole_update = self.group.gather(update)[:numel].view(rows, cols).contiguous()
+        whole = self.group.gather(target.contiguous())[:numel].view(rows, cols).contiguous()
+        muon([whole], [whole_update], [torch.zeros_like(whole_update)], [None],
+             executor=self._executor, workspace=self._workspace, lr=group["lr"],
+             weight_decay=group["weight_decay"], momentum=0.0, nesterov=False,
+             ns_coefficients=group["ns_coefficients"], eps=group["eps"], ns_steps=group["ns_steps"],
+             adjust_lr_fn=group["adjust_lr_fn"], ns_dtype=self.ns_dtype)
+        target.copy_(self.group.shard_of(whole.reshape(-1), p.numel()))
+        if low:  # nearest-even, as the kernel writes a parameter from its master
+            p.detach().reshape(-1).copy_(target)
+        if self._nvme is not None:
+            self._write_state(p, {_MOMENTUM_KEY: buf})
+
+    @torch.no_grad()
+    def step_parameters(self, params: list[Tensor]) -> set[Tensor]:
+        """Steps only ``params`` (shards with their gradients), in the order
+        given; returns the parameters skipped: none."""
+        index_of = {id(q): i for i, g in enumerate(self.param_groups) for q in g["params"]}
+        for p in params:
+            if p.grad is None:
+                raise ValueError("step_parameters: a parameter without a gradient")
+            if id(p) not in index_of:
+                raise ValueError("step_parameters: a parameter this optimizer does not hold")
+        for p in params:
+            self._step_one(self.param_groups[index_of[id(p)]], p)
+        return set()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Every shard that has a gradient, group by group."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._step_one(group, p)
+        return loss

@@ -168,8 +168,11 @@ def overlappable(config: Any, needs_norm: bool, world_size: int = 1) -> bool:
     own values. Adam/AdamW's is elementwise, so a rank's shard steps alone.
     Muon's needs its whole matrix (Newton–Schulz of the momentum update):
     with one rank the parameter's final gradient is the whole matrix's and
-    it steps as Adam's does; over several ranks a shard is not, so Muon
-    never overlaps there (and the engine refuses that case today)."""
+    it steps as Adam's does; over several ranks each matrix's step gathers
+    every rank's shard of its update (ShardedMuon), a collective every rank
+    must reach in the same order: run on the step's thread it would
+    interleave with the backward's reduce-scatters on the training thread,
+    so Muon over several ranks steps after the backward."""
     from tierflow.config import MuonConfig
 
     if isinstance(config.optimizer, MuonConfig) and world_size > 1:

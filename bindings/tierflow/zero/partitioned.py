@@ -65,8 +65,14 @@ class PartitionedRuntime:
             if config.zero.zenflow is not None:  # ZenFlow steps fp32 masters in host memory
                 self.zenflow = PartitionedZenFlow(self.params, model, trainable, zenflow_options(config, nvme))
                 self.optimizer = self.zenflow.optimizer
-            elif isinstance(config.optimizer, MuonConfig):  # with one rank, each step parameter is its whole matrix
-                self.optimizer = muon_optimizer(config, muon_named(model, trainable, self._own), nvme)
+            elif isinstance(config.optimizer, MuonConfig):  # split by the parameters' shapes, not their shards'
+                standins = {}
+                for p in trainable:
+                    part = self.params.part_of(p)
+                    if part is not None:
+                        standins[id(part.standin)] = part.step_param
+                self.optimizer = muon_optimizer(config, muon_named(model, trainable, self._standin), nvme,
+                                                stepped=lambda t: standins.get(id(t), t), group=group)
             else:
                 cls, kwargs = adam_class_and_options(config, nvme)
                 self.optimizer = cls(self._stepped(trainable), **kwargs)
@@ -121,6 +127,11 @@ class PartitionedRuntime:
         own = self._own
         return [{**g, "params": [own(p) for p in g["params"]]} if isinstance(g, dict) else own(g)
                 for g in trainable]
+
+    def _standin(self, p: Any) -> Any:
+        """A tensor of the model's parameter ``p``'s shape (its partition's stand-in)."""
+        part = self.params.part_of(p)
+        return part.standin if part is not None else p
 
     def _own(self, p: Any) -> Any:
         """What the optimizer steps for the model's parameter ``p``."""

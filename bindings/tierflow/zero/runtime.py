@@ -116,9 +116,8 @@ class Runtime(Protocol):
     def close(self) -> None: ...
 
 
-def check_optimizer(config: Config, world_size: int = 1) -> None:
-    """Refuses, by key, an optimizer section the engine cannot step over
-    ``world_size`` ranks."""
+def check_optimizer(config: Config) -> None:
+    """Refuses, by key, an optimizer section the engine cannot step."""
     opt = config.optimizer
     if opt is None:
         raise ValueError("optimizer: missing; the engine steps the optimizer the config names "
@@ -126,10 +125,6 @@ def check_optimizer(config: Config, world_size: int = 1) -> None:
     if config.zero.zenflow is not None and not isinstance(opt, AdamConfig):
         raise ValueError(f"optimizer.type: {opt.type} with zenflow; ZenFlow steps Adam or AdamW")
     if isinstance(opt, MuonConfig):
-        if config.zero.stage == 3 and world_size > 1:
-            raise ValueError(f"optimizer.type: Muon at zero_optimization.stage 3 over {world_size} ranks; each rank "
-                             "holds a flat shard of every matrix and Newton–Schulz needs the whole one (run one "
-                             "rank, or type Adam/AdamW)")
         values = [("lr", opt.muon_group_lr), ("lr", opt.adam_group_lr), ("betas", opt.betas), ("eps", opt.eps),
                   ("weight_decay", opt.weight_decay)]
     else:
@@ -181,20 +176,26 @@ def adam_class_and_options(config: Config, nvme: dict[str, Any]) -> tuple[type, 
     return (AdamW if opt.decoupled_weight_decay else Adam), kwargs
 
 
-def muon_optimizer(config: Config, named: list[tuple[str, torch.Tensor]], nvme: dict[str, Any]) -> Any:
+def muon_optimizer(config: Config, named: list[tuple[str, torch.Tensor]], nvme: dict[str, Any],
+                   stepped: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, group: Any = None) -> Any:
     """The engine's optimizer under an ``optimizer.type: Muon`` section:
     :class:`~tierflow.zero.muon.MuonWithAuxAdam` over tierflow's Muon for
-    the hidden matrices of ``named`` ((name, what steps) pairs, every name
-    of a tied parameter) and AdamW for the rest, split by
+    the hidden matrices of ``named`` ((name, a tensor of the parameter's
+    shape) pairs, every name of a tied parameter; ``stepped`` maps each to
+    what the optimizer steps) and AdamW for the rest, split by
     :func:`~tierflow.torch.optim.muon_param_groups`' rule, placed by
     ``nvme`` (:func:`optimizer_nvme`): with the state on NVMe, each part's
     files in a directory of its own and the host budget shared by the
-    parts' state sizes (each at least the store's minimum)."""
+    parts' state sizes (each at least the store's minimum). Over the
+    several ranks of ``group`` (stage 3's flat shards) Muon's part is
+    :class:`~tierflow.zero.muon.ShardedMuon`."""
     from tierflow.torch.optim import AdamW, Muon, muon_param_groups
-    from tierflow.zero.muon import PART_NAMES, MuonWithAuxAdam
+    from tierflow.zero.muon import PART_NAMES, MuonWithAuxAdam, ShardedMuon
 
     opt = config.optimizer
-    hidden, rest = muon_param_groups(named)
+    shapes, rest = muon_param_groups(named)
+    hidden = [stepped(t) for t in shapes]
+    rest = [stepped(t) for t in rest]
     placement: dict[bool, dict[str, Any]] = {True: {}, False: {}}
     if nvme:
         state_bytes = {True: sum(p.numel() * 4 for p in hidden), False: sum(p.numel() * 8 for p in rest)}
@@ -212,7 +213,13 @@ def muon_optimizer(config: Config, named: list[tuple[str, torch.Tensor]], nvme: 
         elif "host_memory" in nvme:
             placement[bool(hidden)]["host_memory"] = nvme["host_memory"]
     threads = config.tierflow.threads
-    muon = Muon(hidden, threads=threads, **opt.muon_options(), **placement[True]) if hidden else None
+    if not hidden:
+        muon = None
+    elif group is not None and group.world_size > 1:
+        muon = ShardedMuon(hidden, {id(p): tuple(t.shape) for p, t in zip(hidden, shapes)}, group, threads=threads,
+                           **opt.muon_options(), **placement[True])
+    else:
+        muon = Muon(hidden, threads=threads, **opt.muon_options(), **placement[True])
     try:
         adamw = AdamW(rest, threads=threads, **opt.adamw_options(), **placement[False]) if rest else None
     except BaseException:

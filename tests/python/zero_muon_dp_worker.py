@@ -1,0 +1,85 @@
+"""One rank of a data-parallel stage-3 run with ``optimizer.type: Muon``
+(``torchrun --nproc-per-node N zero_muon_dp_worker.py OUT NVME STATE``), or,
+imported, the same run in one process: zero_dp_worker.py's model and data
+(d = 45: odd shards, the last padded), ``FIRST`` steps, a checkpoint, then
+a fresh engine that loads it and trains the rest; then the same steps
+without the stop. ``STATE``: where the optimizer's state lives ("cpu" or
+"nvme")."""
+
+import json
+import os
+import sys
+
+import torch
+
+import tierflow
+
+from zero_dp_worker import GAS, GLOBAL_BATCH, TinyLM, batches
+
+STEPS, FIRST = 6, 3
+
+
+def config(nvme: str, state: str) -> dict:
+    optimizer = {"device": state}
+    if state == "nvme":
+        optimizer["nvme_path"] = nvme
+    return {
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 3e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": optimizer,
+                              "stage3_param_persistence_threshold": 0},
+    }
+
+
+def run(nvme: str, checkpoint_dir: str, state: str) -> dict:
+    """The run on this process's rank (one process without a process group)."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    data = batches(STEPS * GAS)
+
+    def make():
+        torch.manual_seed(0)
+        engine, *_ = tierflow.initialize(model=TinyLM(), config=config(nvme, state))
+        return engine
+
+    def train(engine, steps):
+        losses = []
+        for step in steps:
+            for micro in range(GAS):
+                x, y = data[step * GAS + micro]
+                loss = engine(x[rows], y[rows])
+                engine.backward(loss)
+                engine.step()
+                mean = loss.detach().clone()
+                if world > 1:
+                    torch.distributed.all_reduce(mean)
+                    mean /= world
+                losses.append(mean.item())
+        return losses
+
+    engine = make()
+    kinds = [type(part).__name__ for part in engine.optimizer.parts]
+    losses = train(engine, range(FIRST))
+    engine.save_checkpoint(checkpoint_dir)
+    engine.close()
+    engine = make()
+    engine.load_checkpoint(checkpoint_dir)
+    losses += train(engine, range(FIRST, STEPS))
+    weights = {k: v.tolist() for k, v in engine.module.state_dict().items()}  # gathered on every rank
+    engine.close()
+    engine = make()
+    uninterrupted = train(engine, range(STEPS))
+    engine.close()
+    return {"losses": losses, "uninterrupted": uninterrupted, "weights": weights, "parts": kinds, "world": world}
+
+
+if __name__ == "__main__":
+    out, nvme, state = sys.argv[1], sys.argv[2], sys.argv[3]
+    torch.distributed.init_process_group("gloo")
+    result = run(nvme, os.path.join(nvme, "checkpoints"), state)
+    with open(f"{out}.rank{torch.distributed.get_rank()}", "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
