@@ -4,7 +4,7 @@ imported, the same run in one process: zero_dp_worker.py's model and data
 (d = 45: odd shards, the last padded), ``FIRST`` steps, a checkpoint, then
 a fresh engine that loads it and trains the rest; then the same steps
 without the stop. ``STATE``: where the optimizer's state lives ("cpu" or
-"nvme")."""
+"nvme"); ZERO_MUON_BF16=1 in the environment trains in bf16 (fp32 masters)."""
 
 import json
 import os
@@ -23,7 +23,8 @@ def config(nvme: str, state: str) -> dict:
     optimizer = {"device": state}
     if state == "nvme":
         optimizer["nvme_path"] = nvme
-    return {
+    precision = {"bf16": {"enabled": True}} if os.environ.get("ZERO_MUON_BF16") == "1" else {}
+    return {**precision,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH,
         "gradient_accumulation_steps": GAS,
         "gradient_clipping": 0.5,
