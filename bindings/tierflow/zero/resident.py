@@ -180,4 +180,3 @@ class ResidentRuntime:
         if self._finish_hook is not None:
             self._finish_hook.remove()
         self.state.close()
-
