@@ -98,6 +98,41 @@ def test_writes_under_zero_init_reach_the_store(tmp_path):
         engine.close()
 
 
+def _adds_a_field(cls):
+    """A class decorator that wraps ``__init__``, as transformers' use_kernelized_func does."""
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.__dict__["field"] = "set"
+
+    cls.__init__ = __init__
+    return cls
+
+
+def test_a_class_decorated_under_zero_init_keeps_its_decorators_init_after_it(tmp_path):
+    """A class made inside zero.Init whose decorator wraps its __init__
+    (transformers' attention layers, when their module is first imported
+    under Init) lost the decorator's __init__ when Init put the class's own
+    back at exit: later instances lacked what it sets, and forward failed."""
+    config = config_for(tmp_path)
+    with tierflow.zero.Init(config=config) as init:
+        @_adds_a_field
+        class Layer(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = nn.Parameter(torch.ones(4))
+
+        inside = Layer()
+        assert inside.field == "set" and tierflow.zero.init.store_of(inside) is not None
+    assert inside.weight.numel() == 0 and inside.weight.ds_shape == (4,)  # in the store
+    init.close()
+    after = Layer()
+    assert after.field == "set"
+    assert after.weight.numel() == 4 and torch.equal(after.weight, torch.ones(4))  # a plain parameter
+    assert tierflow.zero.init.store_of(after) is None
+
+
 def test_a_read_under_zero_init_is_a_read(tmp_path):
     """A read through .data changes nothing, and a copy made from it holds the values."""
     config = config_for(tmp_path)

@@ -82,7 +82,8 @@ class Init:
         threshold = self.config.zero.stage3_param_persistence_threshold
         self.threshold = 100_000 if threshold is AUTO else int(threshold)
         self.params = ParamStore(self.plan, trace=self.config.tierflow.trace)
-        self._patched: dict[type, Any] = {}
+        self._patched: dict[type, Any] = {}  # class -> (its __init__, the wrapper put in its place)
+        self._active = False
         self._access: ParameterAccess | None = None
         self._count = 0
 
@@ -103,6 +104,9 @@ class Init:
 
         @functools.wraps(init)
         def wrapper(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+            if not outer._active:  # kept inside another wrapper after the context ended (see __exit__)
+                init(module, *args, **kwargs)
+                return
             depth = module.__dict__.get("_tierflow_init_depth", 0)
             module.__dict__["_tierflow_init_depth"] = depth + 1
             try:
@@ -113,12 +117,13 @@ class Init:
                 module.__dict__.pop("_tierflow_init_depth", None)
                 outer._partition(module)
 
-        self._patched[cls] = init
+        self._patched[cls] = (init, wrapper)
         cls.__init__ = wrapper
 
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
+        self._active = True
         for cls in _all_subclasses(torch.nn.Module):
             self._wrap(cls)
         original = torch.nn.Module.__dict__.get("__init_subclass__")
@@ -146,8 +151,16 @@ class Init:
         if not self.enabled:
             return
         self._access.__exit__(*exc)
-        for cls, init in self._patched.items():
-            cls.__init__ = init
+        self._active = False
+        # A class defined inside the context was wrapped as it was made; a
+        # class decorator may since have put its own __init__ around the
+        # wrapper (transformers' use_kernelized_func on its attention
+        # layers). Putting back the class's first __init__ would drop the
+        # decorator's; its __init__ stays, and the wrapper inside it now only
+        # calls through.
+        for cls, (init, wrapper) in self._patched.items():
+            if cls.__dict__.get("__init__") is wrapper:
+                cls.__init__ = init
         self._patched.clear()
         if self._init_subclass is None:
             del torch.nn.Module.__init_subclass__
