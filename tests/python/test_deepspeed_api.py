@@ -453,6 +453,21 @@ def test_deepspeeds_zero_to_fp32_reads_the_engines_fp32_masters(tmp_path, stage,
     assert torch.equal(got["head.weight"], got["emb.weight"]) and torch.equal(got["shift"], weights["shift"])
     if precision == "bf16":  # the masters hold bits the bf16 weights do not
         assert any(not torch.equal(masters[k], weights[k].float()) for k in masters if k != "frozen")
+    _same_as_zero_to_fp32(tmp_path / "ckpt", tmp_path / "consolidated", got)
+
+
+def _same_as_zero_to_fp32(ckpt, out, got):
+    """tierflow.zero.consolidate's file holds what zero_to_fp32 gives, a
+    tied parameter once (under its first name), a frozen one in fp32."""
+    import safetensors.torch
+
+    from tierflow.zero.consolidate import consolidate
+
+    consolidate(ckpt, out)
+    joined = safetensors.torch.load_file(os.path.join(out, "model.safetensors"))
+    assert set(joined) == set(got) - {"head.weight"}
+    for name, value in joined.items():
+        assert value.dtype == torch.float32 and torch.equal(value, got[name].float()), name
 
 
 # ---- Hugging Face's Trainer ------------------------------------------------------------------------------
@@ -712,3 +727,4 @@ def test_two_ranks_modifier_rank_broadcasts_its_edits_and_zero_to_fp32_joins_the
     assert set(got) == set(masters) | {"head.weight"}
     for name, value in masters.items():
         assert torch.equal(got[name], value), name
+    _same_as_zero_to_fp32(tmp_path / "ckpt", tmp_path / "consolidated", got)  # the two ranks' shards joined

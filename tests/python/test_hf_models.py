@@ -175,3 +175,82 @@ def test_a_checkpoint_resumes_in_a_new_process_as_the_uninterrupted_run(tmp_path
     assert resumed == rest  # bit for bit
     torch.testing.assert_close(torch.tensor(first + rest), torch.tensor(train_reference(build(kind), data)),
                                rtol=1e-5, atol=1e-6)
+
+
+def _trained_checkpoint(tmp_path, kind, steps=2):
+    """An engine trained ``steps`` steps, its checkpoint in tmp_path/ckpt; the engine is open."""
+    config = engine_config(tmp_path / "nvme")
+    engine, *_ = tierflow.initialize(model=build(kind, config), config=config)
+    train(engine, batches(steps))
+    engine.save_checkpoint(tmp_path / "ckpt")
+    return engine
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "mixtral"])
+def test_the_consolidated_checkpoint_loads_with_from_pretrained_and_gives_the_engines_logits(tmp_path, kind):
+    engine = _trained_checkpoint(tmp_path, kind)
+    try:
+        x = batches(1, seed=9)[0]
+        engine.module.eval()
+        with torch.no_grad():
+            want = engine.module(input_ids=x).logits
+    finally:
+        engine.close()
+    out = subprocess.run([sys.executable, "-m", "tierflow.zero.consolidate", str(tmp_path / "ckpt"),
+                          str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "from fp32 masters" in out.stdout and "config.json from" in out.stdout, out.stdout
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == type(build(kind)).__name__
+    if kind == "gpt2":  # the file holds the embedding once; from_pretrained ties the head to it
+        from safetensors import safe_open
+
+        with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+            assert "lm_head.weight" not in f.keys() and "transformer.wte.weight" in f.keys()
+        assert model.lm_head.weight is model.transformer.wte.weight
+    model.eval()
+    with torch.no_grad():
+        got = model(input_ids=x).logits
+    assert torch.equal(got, want)
+
+
+def test_consolidate_names_a_missing_directory_tag_or_corrupt_file_in_one_line(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from tierflow.zero.consolidate import consolidate, main
+
+    _trained_checkpoint(tmp_path, "llama", steps=1).close()
+    ckpt = tmp_path / "ckpt"
+    fp32 = load_file(consolidate(ckpt, tmp_path / "fp32")["path"])
+    bf16 = load_file(consolidate(ckpt, tmp_path / "bf16", dtype="bf16", tag="global_step1")["path"])
+    assert fp32.keys() == bf16.keys() and all(torch.equal(bf16[k], fp32[k].bfloat16()) for k in fp32)
+    config = tmp_path / "given.json"
+    config.write_text((ckpt / "global_step1" / "config.json").read_text())
+    assert consolidate(ckpt, tmp_path / "given", config=config)["config"] == str(config)
+
+    def error(*argv):
+        assert main([str(a) for a in argv]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("python -m tierflow.zero.consolidate: error: "), err
+        return err
+
+    assert "no such checkpoint directory" in error(tmp_path / "nowhere", tmp_path / "o")
+    assert "no checkpoint 'step9'" in error(ckpt, tmp_path / "o", "--tag", "step9")
+    assert "no such config file" in error(ckpt, tmp_path / "o", "--config", tmp_path / "none.json")
+    (ckpt / "latest").unlink()
+    assert "no 'latest' file; give the tag" in error(ckpt, tmp_path / "o")
+    tag = ckpt / "global_step1"
+    optim = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    data = optim.read_bytes()
+    optim.write_bytes(data[: len(data) // 2])
+    assert f"{optim} (rank 0's fp32 masters) is not a readable torch file" in error(ckpt, tmp_path / "o",
+                                                                                     "--tag", "global_step1")
+    optim.write_bytes(data)
+    model = tag / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:-8])
+    assert "is truncated" in error(ckpt, tmp_path / "o", "--tag", "global_step1")
+    model.write_bytes(b"\x04")
+    assert "not a safetensors file" in error(ckpt, tmp_path / "o", "--tag", "global_step1")
+    model.unlink()
+    assert f"{model} is missing" in error(ckpt, tmp_path / "o", "--tag", "global_step1")
+    assert not (tmp_path / "o" / "model.safetensors").exists()

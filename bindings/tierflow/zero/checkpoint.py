@@ -13,6 +13,9 @@ DeepSpeed lays them out.
   bf16/fp16 run);
 * ``engine.pt``: the step counters, the loss scale, the lr scheduler's state
   and the client state;
+* ``config.json``, for a model with a Hugging Face config (``module.config``
+  with ``to_json_string``): that config, so that the weights
+  ``python -m tierflow.zero.consolidate`` joins load with ``from_pretrained``;
 * the files DeepSpeed's ``zero_to_fp32.py`` reads
   (``get_fp32_state_dict_from_zero_checkpoint(save_dir)`` gives the fp32
   masters): ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` (stage 3, one a
@@ -567,6 +570,9 @@ def _save_into(engine: "Engine", partial: str, client_state: dict, exclude_froze
     _save_deepspeed_files(engine, partial, entries, exclude_frozen)
     if engine.group.rank != 0:
         return
+    hf_config = getattr(engine.module, "config", None)
+    if callable(getattr(hf_config, "to_json_string", None)):  # a transformers model's, for from_pretrained
+        _write_atomic(os.path.join(partial, "config.json"), hf_config.to_json_string().encode())
     state = {
         "format": _FORMAT,
         "global_steps": engine.global_steps,
