@@ -254,3 +254,26 @@ def test_consolidate_names_a_missing_directory_tag_or_corrupt_file_in_one_line(t
     model.unlink()
     assert f"{model} is missing" in error(ckpt, tmp_path / "o", "--tag", "global_step1")
     assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+_UNCLOSED = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import tierflow
+    from test_hf_models import batches, build, engine_config, train
+    config = engine_config({nvme!r})
+    engine, *_ = tierflow.initialize(model=build("gpt2", config), config=config)
+    train(engine, batches(2))
+    print("trained")
+""")
+
+
+def test_a_transformers_training_script_that_never_closes_its_engine_exits_silently(tmp_path):
+    """No 'nanobind: leaked' lines and no warning from tierflow on stderr (transformers' own quieted)."""
+    script = _UNCLOSED.format(tests=os.path.dirname(__file__), nvme=str(tmp_path / "nvme"))
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "trained", out.stderr
+    assert out.stderr == "", out.stderr
+    left = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "nvme") for f in files]
+    assert left == [], left
