@@ -390,16 +390,16 @@ def test_two_gloo_ranks_step_muon_on_gathered_matrices_and_train_as_one_process(
     half-batch gradients is the whole batch's up to fp32 rounding, which
     Muon's bf16 Newton–Schulz makes larger. The resumed run is the
     uninterrupted one to the bit."""
-    import zero_muon_dp_worker as worker
+    import zero_resume_dp_worker as worker
 
-    monkeypatch.setenv("ZERO_MUON_BF16", "1" if precision == "bf16" else "0")
-    one = worker.run(str(tmp_path / "one"), str(tmp_path / "one" / "ck"), state)
+    monkeypatch.setenv("ZERO_RESUME_BF16", "1" if precision == "bf16" else "0")
+    one = worker.run(str(tmp_path / "one"), str(tmp_path / "one" / "ck"), state, "muon")
     out = tmp_path / "two.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(tierflow.__file__)),
                                           os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           worker.__file__, str(out), str(tmp_path / "two"), state],
+                           worker.__file__, str(out), str(tmp_path / "two"), state, "muon"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"two.json.rank{r}").read_text()) for r in range(2)]

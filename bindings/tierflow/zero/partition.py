@@ -599,6 +599,9 @@ class ParamStore:
         all takes no room."""
         if self.plan.grad_home != "host":
             raise RuntimeError("ParamStore.gradients: the gradients are not homed in host memory")
+        if self.group.world_size > 1:
+            yield self._gathered_gradients(parts, buffers, scale)
+            return
         written = scale != 1.0
         leases, out = [], []
         try:
@@ -616,6 +619,30 @@ class ParamStore:
         finally:
             for lease in leases:
                 self._unlease(lease, dirty=written)
+
+    def _gathered_gradients(self, parts: list[Partition], buffers: list[torch.Tensor],
+                            scale: float) -> list[torch.Tensor]:
+        """:meth:`gradients` over several ranks: each gradient whole in its
+        ``buffers`` entry, gathered from every rank's shard of the mean (every
+        rank calls it with the same ``parts``, in the same order). A part
+        with no gradient on any rank is zeroed without a collective; one with
+        a gradient on some ranks only gathers zeros from the others."""
+        empty = self.group.sum(*(1.0 if part.grad_empty else 0.0 for part in parts))
+        for part, buffer, none in zip(parts, buffers, empty):
+            if none == self.group.world_size:
+                buffer.zero_()
+                continue
+            if part.grad_empty:
+                local = torch.zeros(part.shard_numel, dtype=torch.float32)
+            else:
+                lease = self._lease(part.grad_block, "host", "read")
+                try:
+                    local = self._grad_local(lease, part).clone()
+                finally:
+                    self._unlease(lease, dirty=False)
+            whole = self.group.gather(local)
+            copy_into(buffer.reshape(-1), whole[: part.numel], scale)
+        return buffers
 
     def clear_grads(self) -> None:
         for part in self.parts:

@@ -333,9 +333,8 @@ def make_plan(model: torch.nn.Module | None, config: Config, *, sizes: dict[str,
     zenflow_least = 0  # the optimizer's stream budget's minimum: the largest matrix's windowed state
     zf = z.zenflow if known else None  # (a model not built yet: its matrices are unknown)
     if zf is not None:
-        if world_size > 1:
-            raise ValueError(f"zero_optimization.zenflow: ZenFlow at stage 3 runs on one process, not {world_size} "
-                             "(its column selection needs whole gradients, which each rank holds a shard of)")
+        # Every rank keeps the whole model's masters and ZenFlow state, as
+        # one process does: see zenflow.py's PartitionedZenFlow.
         shapes = [shape_of(p) for _, _, p in named if p.requires_grad]
         zenflow_bytes = zenflow_host_bytes(shapes, zf.topk_ratio, zf.overlap_step, nvme=optimizer_offload == "nvme")
         state_bytes = sum(zenflow_bytes)

@@ -17,6 +17,16 @@ are: ZenFlow reads each into buffers of its own), ZenFlow steps, and
 every master is written back into its compute block (rounded to the compute
 dtype) through the store, from where the next forward leases it.
 
+Over several data-parallel ranks each rank keeps the whole model's masters
+and ZenFlow state, as one process does, and steps all of it: its column
+selection ranks a matrix's columns by their gradient mass, and its "auto"
+window ends when a fraction of all the weights agree, so both need whole
+gradients of every weight. Each boundary gathers every gradient whole from
+the ranks' shards of the mean (:meth:`ParamStore.gradients`); every rank then
+runs the same step on the same values, so the masters stay equal to the bit
+across ranks, and each writes its own shard back. The host memory and the
+CPU step are one process's on every rank, not divided by the ranks.
+
 The write-back right after :meth:`ZenFlow.step` reads masters nothing else
 writes at that moment: under ``overlap_step`` the window's CPU step runs on
 the engine's own thread over the windowed side's own copy of the masters and

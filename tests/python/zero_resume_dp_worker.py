@@ -1,10 +1,13 @@
-"""One rank of a data-parallel stage-3 run with ``optimizer.type: Muon``
-(``torchrun --nproc-per-node N zero_muon_dp_worker.py OUT NVME STATE``), or,
-imported, the same run in one process: zero_dp_worker.py's model and data
-(d = 45: odd shards, the last padded), ``FIRST`` steps, a checkpoint, then
-a fresh engine that loads it and trains the rest; then the same steps
-without the stop. ``STATE``: where the optimizer's state lives ("cpu" or
-"nvme"); ZERO_MUON_BF16=1 in the environment trains in bf16 (fp32 masters)."""
+"""One rank of a data-parallel stage-3 run whose optimizer keeps whole
+matrices (``torchrun --nproc-per-node N zero_resume_dp_worker.py OUT NVME
+STATE KIND``), or, imported, the same run in one process: zero_dp_worker.py's
+model and data (d = 45: odd shards, the last padded), ``FIRST`` steps, a
+checkpoint, then a fresh engine that loads it and trains the rest; then the
+same steps without the stop. ``STATE``: where the optimizer's state lives
+("cpu" or "nvme"). ``KIND``: "muon" (``optimizer.type: Muon``) or "zenflow"
+(AdamW with a ``zenflow`` section: a window of 2 steps, overlapped, so a
+checkpoint falls inside a window). ZERO_RESUME_BF16=1 in the environment
+trains in bf16 (fp32 masters)."""
 
 import json
 import os
@@ -19,22 +22,33 @@ from zero_dp_worker import GAS, GLOBAL_BATCH, TinyLM, batches
 STEPS, FIRST = 6, 3
 
 
-def config(nvme: str, state: str) -> dict:
+# ZenFlow's section: half of each matrix's columns stepped at once, the rest
+# over windows of 2 steps applied a window late, a refresh every 4 steps.
+ZENFLOW = {"topk_ratio": 0.5, "update_interval": 2, "select_interval": 4, "overlap_step": True}
+
+
+def config(nvme: str, state: str, kind: str = "muon") -> dict:
     optimizer = {"device": state}
     if state == "nvme":
         optimizer["nvme_path"] = nvme
-    precision = {"bf16": {"enabled": True}} if os.environ.get("ZERO_MUON_BF16") == "1" else {}
+    precision = {"bf16": {"enabled": True}} if os.environ.get("ZERO_RESUME_BF16") == "1" else {}
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": optimizer,
+            "stage3_param_persistence_threshold": 0}
+    if kind == "muon":
+        opt = {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 3e-3, "weight_decay": 0.01}}
+    else:
+        opt = {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.01}}
+        zero["zenflow"] = dict(ZENFLOW)
     return {**precision,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH,
         "gradient_accumulation_steps": GAS,
         "gradient_clipping": 0.5,
-        "optimizer": {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 3e-3, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": optimizer,
-                              "stage3_param_persistence_threshold": 0},
+        "optimizer": opt,
+        "zero_optimization": zero,
     }
 
 
-def run(nvme: str, checkpoint_dir: str, state: str) -> dict:
+def run(nvme: str, checkpoint_dir: str, state: str, kind: str = "muon") -> dict:
     """The run on this process's rank (one process without a process group)."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -43,7 +57,7 @@ def run(nvme: str, checkpoint_dir: str, state: str) -> dict:
 
     def make():
         torch.manual_seed(0)
-        engine, *_ = tierflow.initialize(model=TinyLM(), config=config(nvme, state))
+        engine, *_ = tierflow.initialize(model=TinyLM(), config=config(nvme, state, kind))
         return engine
 
     def train(engine, steps):
@@ -62,7 +76,7 @@ def run(nvme: str, checkpoint_dir: str, state: str) -> dict:
         return losses
 
     engine = make()
-    kinds = [type(part).__name__ for part in engine.optimizer.parts]
+    kinds = [type(part).__name__ for part in getattr(engine.optimizer, "parts", [engine.optimizer])]
     losses = train(engine, range(FIRST))
     engine.save_checkpoint(checkpoint_dir)
     engine.close()
@@ -78,9 +92,9 @@ def run(nvme: str, checkpoint_dir: str, state: str) -> dict:
 
 
 if __name__ == "__main__":
-    out, nvme, state = sys.argv[1], sys.argv[2], sys.argv[3]
+    out, nvme, state, kind = sys.argv[1:5]
     torch.distributed.init_process_group("gloo")
-    result = run(nvme, os.path.join(nvme, "checkpoints"), state)
+    result = run(nvme, os.path.join(nvme, "checkpoints"), state, kind)
     with open(f"{out}.rank{torch.distributed.get_rank()}", "w") as f:
         json.dump(result, f)
     torch.distributed.destroy_process_group()
