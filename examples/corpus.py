@@ -38,6 +38,13 @@ class Corpus:
         return (f"{self.files} files of {self.root} ({self.digest[:12]}): "
                 f"{self.train.numel() / mib:.1f} MiB train, {self.val.numel() / mib:.1f} MiB val")
 
+    def fine_tune(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The validation split as a fine-tune's text, (train, validation):
+        its first three quarters and its last quarter (cut by bytes). A
+        model pretrained on :attr:`train` has seen neither."""
+        cut = self.val.numel() * 3 // 4
+        return self.val[:cut], self.val[cut:]
+
 
 def load_stdlib(cap_bytes: int = 32 << 20, val_every: int = 10) -> Corpus:
     """The standard library's ``*.py`` files, sorted by path, up to ``cap_bytes``

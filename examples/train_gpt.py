@@ -5,7 +5,7 @@ loss against plain torch.
 
     examples/train_gpt.py [--model tiny] [--steps 80] [--compare] [--engine tierflow|torch]
                           [--config examples/train_gpt.json] [--out ./train_gpt_out]
-                          [--nvme-dir DIR] [--keep] [--seed 0] [--zenflow]
+                          [--nvme-dir DIR] [--keep] [--seed 0] [--zenflow] [--init-from CHECKPOINT]
 
 The model (gpt.py) is a decoder-only transformer in plain torch; the corpus
 (corpus.py) is the standard library's ``*.py`` files as bytes, so nothing is
@@ -61,11 +61,24 @@ windowed side's masters and moments stay on NVMe (``offload_optimizer``
 ``tierflow.host_memory`` "auto" then adds what ZenFlow keeps in host memory
 (the fp32 masters the store is written from, the gradients and their window
 sums, the selected columns' moments: about 23 bytes per parameter at these
-settings) and its stream's budget. Values
+settings) and its stream's budget.
+
+``--init-from`` makes the run a fine-tune, where ZenFlow is meant to be used:
+the model starts from a checkpoint's weights (a tag directory this script
+wrote: the engine's ``model.safetensors`` or the torch reference's
+``state.pt``; the checkpoint directory, whose ``latest`` names the tag; or a
+``.safetensors`` file), trains on text the
+pretraining never saw (the held-out files' first three quarters,
+``corpus.Corpus.fine_tune``) and is evaluated on the rest of them, before the
+first step and after the last; the learning rate "auto" is a quarter of the
+preset's. The main job pretrains with AdamW, then fine-tunes that checkpoint
+with ZenFlow beside torch.optim.AdamW from the same weights (``--compare``).
+Values
 written ``"auto"`` are filled in by this script, as Hugging Face's Trainer
 fills its own, and each is printed with where it came from:
 
-* ``train_micro_batch_size_per_gpu`` and ``optimizer.params.lr``: the preset's;
+* ``train_micro_batch_size_per_gpu`` and ``optimizer.params.lr``: the preset's
+  (the lr a quarter of it with ``--init-from``);
 * ``bf16.enabled``: true on a GPU, false on the CPU. fp32 on the CPU because
   most CPUs multiply bf16 matrices slower than fp32 ones in torch (only AMX or
   AVX512-BF16 parts do better), and because fp32 keeps ``--compare`` a test of
@@ -121,6 +134,7 @@ HERE = Path(__file__).resolve().parent
 AUTO = "auto"
 BYTES_PER_PARAMETER = 16  # fp32 weight + gradient + Adam's exp_avg and exp_avg_sq
 EVAL_TOKENS = 1 << 16  # tokens of held-out text the final loss is the mean over
+FINE_TUNE_LR_DIVISOR = 4  # a fine-tune's lr "auto": the preset's pretraining lr over this
 
 
 @dataclass(frozen=True)
@@ -290,7 +304,7 @@ def load_config(path: Path) -> dict[str, Any]:
 
 
 def resolve_config(config: dict[str, Any], *, preset: str, steps: int, device: torch.device, engine: str,
-                   nvme_dir: Path | None) -> ResolvedConfig:
+                   nvme_dir: Path | None, fine_tune: bool = False) -> ResolvedConfig:
     """``config`` with this script's ``"auto"`` values filled in (see the
     module's docstring); other ``"auto"`` values are left to the engine."""
     out = ResolvedConfig(json.loads(json.dumps(config)))
@@ -314,6 +328,9 @@ def resolve_config(config: dict[str, Any], *, preset: str, steps: int, device: t
         return str(out.scratch)
 
     fill("train_micro_batch_size_per_gpu", training.micro_batch, f"{preset}'s")
+    if fine_tune:
+        fill("optimizer.params.lr", training.lr / FINE_TUNE_LR_DIVISOR,
+             f"{preset}'s over {FINE_TUNE_LR_DIVISOR}, for a fine-tune (--init-from)")
     fill("optimizer.params.lr", training.lr, f"{preset}'s")
     fill("bf16.enabled", device.type == "cuda", f"{'bf16 on the GPU' if device.type == 'cuda' else 'fp32 on the CPU'}")
     fill("scheduler.params.total_num_steps", steps, "--steps")
@@ -393,6 +410,80 @@ def _bytes_of(value: Any, key: str) -> int | None:
     return int(_core.parse_size(str(value), key))
 
 
+# ---- a fine-tune's weights ------------------------------------------------------------------
+
+WEIGHT_FILES = ("model.safetensors", "state.pt")  # in a tag: the tierflow engine's, the torch reference's
+
+
+def weights_file(path: Path) -> Path:
+    """The weights that ``--init-from PATH`` names: a file itself, a
+    checkpoint tag's (``model.safetensors``, or the torch reference's
+    ``state.pt``), or those of the tag ``PATH/latest`` names."""
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"--init-from: {path} does not exist")
+    latest = path / "latest"
+    tag = path / latest.read_text().strip() if latest.is_file() else path
+    for name in WEIGHT_FILES:
+        if (tag / name).is_file():
+            return tag / name
+    if tag != path:
+        raise FileNotFoundError(f"--init-from: {tag} (named by {latest}) has neither {' nor '.join(WEIGHT_FILES)}")
+    raise FileNotFoundError(f"--init-from: {path} is neither a weights file nor a checkpoint "
+                            f"(a tag directory with {' or '.join(WEIGHT_FILES)}, or a directory with latest)")
+
+
+def load_weights(path: Path, model_cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """The model's state_dict from ``path`` (see :func:`weights_file`: a
+    safetensors file, or a torch file of plain tensors whose ``"module"``
+    holds them), checked against ``model_cfg``'s names and shapes; a tied
+    weight saved once under its first name is given its other names too."""
+    file = weights_file(path)
+    if file.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError as e:
+            raise ImportError(f"--init-from: safetensors cannot be imported ({e}); scripts/setup.sh installs it") from e
+        try:
+            saved = load_file(str(file))
+        except Exception as e:  # safetensors raises its own types for a truncated or foreign file
+            raise ValueError(f"--init-from: {file} is not a readable safetensors file ({e})") from None
+    else:
+        try:
+            saved = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ValueError(f"--init-from: {file} is not a readable torch file of tensors ({e})") from None
+        saved = saved.get("module", saved) if isinstance(saved, dict) else None
+        if not isinstance(saved, dict):
+            raise ValueError(f"--init-from: {file} holds no state_dict")
+    with torch.device("meta"):
+        reference = GPT(model_cfg)
+    ties = {name: first for first, names in _tied_names(reference).items() for name in names}
+    out = {}
+    for name, meta in reference.state_dict().items():
+        value = saved.get(name, saved.get(ties.get(name, name)))
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"--init-from: {file} has no '{name}' (was it saved from another --model?)")
+        if tuple(value.shape) != tuple(meta.shape):
+            raise ValueError(f"--init-from: '{name}' in {file} is {list(value.shape)}, this --model's "
+                             f"{list(meta.shape)}")
+        out[name] = value.to(meta.dtype)
+    return out
+
+
+def _tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Each parameter's first name and the other names it goes by."""
+    first: dict[int, str] = {}
+    out: dict[str, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out.setdefault(first[id(p)], []).append(name)
+        else:
+            first[id(p)] = name
+    return out
+
+
 # ---- the loop ------------------------------------------------------------------------------
 
 @dataclass
@@ -401,6 +492,7 @@ class Run:
     losses: list[float] = field(default_factory=list)  # mean over each optimizer step's micro-batches
     tokens_per_second: list[float] = field(default_factory=list)
     eval_loss: float = math.nan
+    start_loss: float = math.nan  # a fine-tune's: the eval loss of the weights it started from
     seconds: float = 0.0
 
 
@@ -535,6 +627,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the fresh NVMe directory at exit")
     p.add_argument("--zenflow", action="store_true",
                    help="train with ZenFlow at stage 3 (the parameters and the windowed state on NVMe)")
+    p.add_argument("--init-from", type=Path, metavar="CHECKPOINT",
+                   help="fine-tune: start from these weights (a checkpoint directory or tag this script wrote, "
+                        "or a .safetensors file) and train on held-out text")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps: {args.steps} is not ≥ 1")
@@ -626,7 +721,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.zenflow:
         config, changed = with_zenflow(config)
     resolved = resolve_config(config, preset=args.model, steps=args.steps, device=device,
-                              engine=args.engine, nvme_dir=args.nvme_dir)
+                              engine=args.engine, nvme_dir=args.nvme_dir, fine_tune=args.init_from is not None)
     resolved.notes[:0] = changed
     ds_config = resolved.ds_config
     args.out.mkdir(parents=True, exist_ok=True)
@@ -634,12 +729,18 @@ def main(argv: list[str] | None = None) -> None:
         (args.out / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
 
     corpus = load_stdlib()
+    weights = None if args.init_from is None else load_weights(args.init_from, model_cfg)
+    train_text, val_text = (corpus.train, corpus.val) if weights is None else corpus.fine_tune()
     loop = loop_config(ds_config)
     micro_batch, accumulation = int(loop.train_micro_batch_size_per_gpu), int(loop.gradient_accumulation_steps)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"model: {args.model}, {model_cfg.parameters:,} parameters ({model_cfg.n_layer}×{model_cfg.n_embd}, "
           f"context {model_cfg.context}), on {where}")
     print(f"corpus: {corpus.describe()}")
+    if weights is not None:
+        mib = 1 << 20
+        print(f"fine-tune: from {weights_file(args.init_from)}, on held-out text the pretraining never saw "
+              f"({train_text.numel() / mib:.1f} MiB train, {val_text.numel() / mib:.1f} MiB val)")
     print(f"config: {args.config}")
     for note in resolved.notes:
         print(f"  {note}")
@@ -654,23 +755,27 @@ def main(argv: list[str] | None = None) -> None:
         seed = args.seed + (ranks.rank if own else 0)
         return Batches(split, batch=micro_batch, context=model_cfg.context, seed=seed, device=device)
 
+    tuned = " fine-tune" if weights is not None else ""
     trace: Path | None = None
     with _scratch(resolved, args.keep):
         if args.engine == "tierflow":
             engine = tierflow_engine(model_cfg, ds_config, args.seed)
-            main_run = Run("tierflow ZeRO-3 + ZenFlow, NVMe offload"
-                           if ds_config.get("zero_optimization", {}).get("zenflow") is not None
-                           else "tierflow ZeRO-3, NVMe offload")
+            main_run = Run(("tierflow ZeRO-3 + ZenFlow" if ds_config.get("zero_optimization", {}).get("zenflow")
+                            is not None else "tierflow ZeRO-3") + tuned + ", NVMe offload")
         else:
             engine = TorchEngine(model_cfg, ds_config, args.seed, device)
-            main_run = Run("torch, in memory")
+            main_run = Run(f"torch{tuned}, in memory")
         try:
-            train(engine, main_run, batches(corpus.train, own=True), args.steps, device, ranks)
-            main_run.eval_loss = evaluate(engine, batches(corpus.val))
+            if weights is not None:
+                engine.module.load_state_dict(weights)
+                main_run.start_loss = evaluate(engine, batches(val_text))
+            train(engine, main_run, batches(train_text, own=True), args.steps, device, ranks)
+            main_run.eval_loss = evaluate(engine, batches(val_text))
             stats = engine.memory_stats()
             checkpoint = args.out / "checkpoint" / f"global_step{engine.global_steps}"
             engine.save_checkpoint(str(checkpoint.parent), tag=checkpoint.name,
-                                   client_state={"model": args.model, "seed": args.seed, "corpus": corpus.digest})
+                                   client_state={"model": args.model, "seed": args.seed, "corpus": corpus.digest,
+                                                 "init_from": None if weights is None else str(args.init_from)})
             if args.engine == "tierflow" and ds_config.get("tierflow", {}).get("trace") is True:
                 trace = args.out / ("trace.json" if ranks.rank == 0 else f"trace.rank{ranks.rank}.json")
                 engine.write_trace(str(trace))
@@ -680,30 +785,39 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.compare:
         reference = TorchEngine(model_cfg, ds_config, args.seed, device)
-        runs.append(Run("torch AdamW, in memory (--compare)"))
-        train(reference, runs[-1], batches(corpus.train, own=True), args.steps, device, ranks)
-        runs[-1].eval_loss = evaluate(reference, batches(corpus.val))
+        runs.append(Run(f"torch AdamW{tuned}, in memory (--compare)"))
+        if weights is not None:
+            reference.module.load_state_dict(weights)
+            runs[-1].start_loss = evaluate(reference, batches(val_text))
+        train(reference, runs[-1], batches(train_text, own=True), args.steps, device, ranks)
+        runs[-1].eval_loss = evaluate(reference, batches(val_text))
         reference.close()
 
     if ranks.rank != 0:
         torch.distributed.destroy_process_group()
         return
     figure = args.out / "loss.png"
-    plot(runs, figure, f"{args.model} ({model_cfg.parameters / 1e6:.1f}M parameters) on the Python standard "
-                       f"library, {args.steps} steps of {accumulation} × {micro_batch * model_cfg.context} tokens")
+    text = "held-out files of the Python standard library" if weights is not None else "the Python standard library"
+    plot(runs, figure, f"{args.model} ({model_cfg.parameters / 1e6:.1f}M parameters){tuned.replace(' ', ', ')} on "
+                       f"{text}, {args.steps} steps of {accumulation} × {micro_batch * model_cfg.context} tokens")
     (args.out / "metrics.json").write_text(json.dumps({
         "model": args.model, "parameters": model_cfg.parameters, "steps": args.steps, "seed": args.seed,
         "corpus": corpus.digest, "device": str(device),
+        "init_from": None if weights is None else str(weights_file(args.init_from)),
         "runs": [{"label": r.label, "loss": r.losses, "tokens_per_second": r.tokens_per_second,
-                  "eval_loss": r.eval_loss, "seconds": r.seconds} for r in runs],
+                  "eval_loss": r.eval_loss, "start_eval_loss": None if math.isnan(r.start_loss) else r.start_loss,
+                  "seconds": r.seconds} for r in runs],
         "memory": stats}, indent=1) + "\n")
 
     for run in runs:
-        print(f"{run.label}: loss {run.losses[0]:.3f} → {run.losses[-1]:.3f}, val {run.eval_loss:.3f}, "
+        val = f"val {run.eval_loss:.3f}" if math.isnan(run.start_loss) else \
+            f"val {run.start_loss:.3f} → {run.eval_loss:.3f}"
+        print(f"{run.label}: loss {run.losses[0]:.3f} → {run.losses[-1]:.3f}, {val}, "
               f"{statistics.median(run.tokens_per_second) / 1000:.1f}k tokens/s, {run.seconds:.0f} s")
     if args.compare:
         gap = max(abs(a - b) for a, b in zip(runs[0].losses, runs[1].losses))
-        print(f"largest gap between the curves: {gap:.4f}")
+        print(f"largest gap between the curves: {gap:.4f}; validation loss {runs[0].eval_loss:.4f} against "
+              f"{runs[1].eval_loss:.4f} ({runs[0].eval_loss - runs[1].eval_loss:+.4f})")
     if stats is not None:
         print_memory(stats)
     print(f"plot: {figure}")
