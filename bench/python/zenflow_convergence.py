@@ -12,8 +12,8 @@ never saw.
    corpus's training split (examples/corpus.py: the standard library's source,
    as bytes), ``--pretrain-steps`` steps of 16 × 128 tokens, lr 2e-3.
 2. Fine-tuning on the held-out split (the files the pretraining never saw):
-   its files are split again, every fourth to the fine-tune's validation, the
-   rest to its training. Each contender starts from the checkpoint, with the
+   its first three quarters are the fine-tune's training text, the last
+   quarter its validation. Each contender starts from the checkpoint, with the
    same seed, the same batches (16 × 128 tokens a step), lr 5e-4 on the same
    WarmupCosineLR schedule, gradient clipping 1.0, fp32, ``--steps`` steps:
 
@@ -21,12 +21,23 @@ never saw.
      cpu, the ``zenflow`` section below;
    * DeepSpeed: ``deepspeed.initialize`` with the same config, unchanged
      (stage 2, CPU, ``topk_ratio``, ``update_interval``, ``overlap_step``
-     true), on DeepSpeed's CPU accelerator and a one-rank gloo group;
+     true), on DeepSpeed's CPU accelerator and a one-rank gloo group. One
+     correction is made to it, and said when the bench runs: DeepSpeed
+     0.19.8's ZeRO-1/2 optimizer lays a ZenFlow run's matrices out
+     transposed in its flat buffer (``zenflow_utils._flatten_dense_tensors``)
+     but points each parameter back at its piece untransposed
+     (``_update_model_bit16_weights``: ``narrow().view(shape)``), so every
+     matrix of the pretrained model is scrambled by ``initialize`` and the
+     fine-tune starts from noise. The bench points them back through the
+     transpose, as ``zenflow_utils._unflatten_dense_tensors`` does
+     (``--deepspeed-as-shipped`` leaves it as it is);
    * AdamW: torch.optim.AdamW in memory, the reference.
 
    Each (contender, seed) runs in its own child process. The validation loss
    is the mean over 8 fixed batches of the fine-tune's validation text,
-   measured before the first step and every ``--eval-every`` steps.
+   measured before the first step and every ``--eval-every`` steps. Every
+   contender must start from the checkpoint's loss: the first validation
+   losses are compared, and a contender that starts elsewhere is named.
 
 It plots the three validation curves (mean over the seeds, a band from min to
 max) to ``OUT/zenflow_convergence.png`` and prints each contender's final
@@ -79,16 +90,36 @@ def ds_config(steps: int, topk_ratio: float, update_interval: int, lr: float = F
     }
 
 
+def correct_deepspeed_zenflow_views() -> None:
+    """Makes DeepSpeed's ZeRO-1/2 optimizer point a ZenFlow run's matrices at
+    their transposed pieces of its flat buffer (see the module's docstring)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    shipped = DeepSpeedZeroOptimizer._update_model_bit16_weights
+
+    def update_model_bit16_weights(self, group_index):
+        if not self.zenflow:
+            return shipped(self, group_index)
+        flat = self.bit16_groups_flat[group_index]
+        for p, meta, offset in zip(self.round_robin_bit16_groups[group_index],
+                                   self.round_robin_bit16_meta[group_index],
+                                   self.round_robin_bit16_offsets[group_index]):
+            piece = flat.narrow(0, offset, meta.numel())
+            # zenflow_utils._flatten_dense_tensors wrote a matrix as its transpose.
+            p.data = piece.view(meta.shape[1], meta.shape[0]).t() if meta.dim() == 2 else piece.view(meta.shape)
+        for param_index, param in enumerate(self.bit16_groups[group_index]):
+            param.data = self.round_robin_bit16_groups[group_index][
+                self.round_robin_bit16_indices[group_index][param_index]].data
+
+    DeepSpeedZeroOptimizer._update_model_bit16_weights = update_model_bit16_weights
+
+
 def splits():
-    """(pretraining text, fine-tune training text, fine-tune validation text)."""
-    import torch
+    """(the corpus, pretraining text, fine-tune training text, fine-tune validation text)."""
     from corpus import load_stdlib
 
     corpus = load_stdlib()
-    held = corpus.val
-    # The held-out split in 4 contiguous quarters: the last is the fine-tune's validation.
-    cut = held.numel() * 3 // 4
-    return corpus, corpus.train, held[:cut].clone(), held[cut:].clone()
+    return (corpus, corpus.train, *corpus.fine_tune())
 
 
 def threads():
@@ -172,6 +203,8 @@ def child(args) -> dict:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
+        if not args.deepspeed_as_shipped:
+            correct_deepspeed_zenflow_views()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         close = getattr(engine, "destroy", lambda: None)
         module = engine
@@ -212,7 +245,7 @@ def run_child(name: str, seed: int, args, checkpoint: Path) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--seed", str(seed),
            "--checkpoint", str(checkpoint), "--child-out", str(out), "--steps", str(args.steps),
            "--topk-ratio", str(args.topk_ratio), "--update-interval", str(args.update_interval),
-           "--eval-every", str(args.eval_every)]
+           "--eval-every", str(args.eval_every)] + (["--deepspeed-as-shipped"] if args.deepspeed_as_shipped else [])
     out.unlink(missing_ok=True)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -267,6 +300,8 @@ def parse_args(argv=None):
                    help="output folder: the checkpoint, the plot (default: ./zenflow_convergence_out)")
     p.add_argument("--json", type=Path, help="also write the results as JSON to this file")
     p.add_argument("--timeout", type=int, default=600, help="seconds one child may run (default: 600)")
+    p.add_argument("--deepspeed-as-shipped", action="store_true",
+                   help="run DeepSpeed's ZenFlow without the bench's correction of its matrices' views")
     p.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
@@ -302,6 +337,17 @@ def main(argv=None) -> int:
             results[name][seed] = r
             said = r["error"] if "error" in r else f"final val {r['val'][-1][1]:.4f}, {r['seconds']:.0f} s"
             print(f"  {name} seed {seed}: {said}", flush=True)
+    # Every contender starts from the checkpoint: the same first validation loss, to fp32 rounding.
+    displaced: dict = {}
+    firsts = [r["val"][0][1] for r in results["adamw"].values() if "error" not in r]
+    if firsts:
+        reference = firsts[0]
+        for name in CONTENDERS:
+            for seed, r in results[name].items():
+                if "error" not in r and abs(r["val"][0][1] - reference) > 1e-4 * abs(reference):
+                    displaced.setdefault(name, {})[seed] = r["val"][0][1]
+                    print(f"  {name} seed {seed}: did not start from the checkpoint (validation loss "
+                          f"{r['val'][0][1]:.4f} before the first step, the checkpoint's {reference:.4f})", flush=True)
     figure = args.out / "zenflow_convergence.png"
     plot(results, figure, args)
 
@@ -310,6 +356,7 @@ def main(argv=None) -> int:
                "seeds": args.seed_list, "topk_ratio": args.topk_ratio, "update_interval": args.update_interval,
                "final_val": finals, "errors": {n: {s: r["error"] for s, r in results[n].items() if "error" in r}
                                                for n in CONTENDERS},
+               "started_elsewhere": displaced, "deepspeed_as_shipped": args.deepspeed_as_shipped,
                "runs": results}
     print(f"final validation loss after {args.steps} fine-tune steps (mean; per seed):")
     means = {}
@@ -332,7 +379,9 @@ def main(argv=None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
         print(f"json: {args.json}")
-    return 0 if all(not e for e in summary["errors"].values()) else 1
+    expected = {"deepspeed"} if args.deepspeed_as_shipped else set()
+    failed = any(summary["errors"].values()) or bool(set(displaced) - expected)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
