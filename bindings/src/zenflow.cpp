@@ -282,6 +282,19 @@ class zenflow_engine {
     engine_->finish();
   }
 
+  // The CPU parameters' values were replaced in place: the host's copies of
+  // its columns are taken from them again (engine::reload_values).
+  void reload_values() {
+    if (cuda_)
+      throw user_error("reload_values: CUDA parameters keep their fp32 masters apart; load the optimizer's "
+                       "state_dict again instead");
+    std::vector<std::span<const float>> values;
+    for (const any_array& p : params_) values.push_back(floats(p));
+    nb::gil_scoped_release unlocked;
+    const std::lock_guard<std::mutex> hold(in_use_);
+    engine_->reload_values(values);
+  }
+
   nb::dict stats() {
     zenflow::engine_stats s;
     std::uint64_t steps = 0;
@@ -702,6 +715,10 @@ void bind_zenflow(nb::module_& m) {
       .def("finish", &zenflow_engine::finish,
            "Waits for the CPU step in flight and runs the open window at once: the parameters then\n"
            "hold the newest values (before evaluation or a checkpoint).")
+      .def("reload_values", &zenflow_engine::reload_values,
+           "After finish(): the CPU parameters' values were replaced in place (a model's\n"
+           "load_state_dict); the host's copies of its own columns are taken from them again, a\n"
+           "weight at a time through the host budget, and every moment is kept.")
       .def("stats", &zenflow_engine::stats, "The step counts (steps, host_steps: a restored run's included) and this engine's counters:\n"
            "steps run, CPU steps, refreshes, time waited for the CPU step and spent in it.")
       .def("schedule", &zenflow_engine::schedule, "The resolved schedule, the CPU split and where the host state is.")

@@ -651,3 +651,60 @@ def test_a_full_or_unusable_nvme_dir_is_an_os_error_naming_it_and_changes_nothin
     assert raised.value.errno == errno.ENOSPC and str(mount / "state") in str(raised.value)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert not list((mount / "state").iterdir())  # what was made is gone
+
+
+@pytest.mark.parametrize("overlap,offload", [(True, "cpu"), (False, "nvme"), (True, "nvme")])
+def test_values_replaced_in_place_are_taken_by_reload_values_with_the_moments_kept(tmp_path, overlap, offload):
+    """The host side keeps its own copy of its columns (overlapped, or on
+    NVMe): values copied into the parameters after finish() would be
+    written over at the next window without reload_values(); with it they
+    are what is stepped, and with update_interval 1 and no overlap the run
+    is torch.optim.AdamW's, the moments carried across the replacement."""
+    torch.manual_seed(0)
+    w, b = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(16))
+    nvme = {"offload": "nvme", "nvme_dir": str(tmp_path)} if offload == "nvme" else {}
+    exact = not overlap
+    zenflow = {"topk_ratio": 0.25, "update_interval": 1 if exact else 2, "select_interval": 4, "overlap_step": overlap}
+    opt = ZenFlow([w, b], lr=1e-2, zenflow=zenflow, **nvme)
+    ref_w, ref_b = (torch.nn.Parameter(t.detach().clone()) for t in (w, b))
+    ref = torch.optim.AdamW([ref_w, ref_b], lr=1e-2)
+
+    def step(o, p, q):
+        ((p ** 2).sum() + (q * torch.arange(16.0)).sum()).backward()
+        o.step()
+        o.zero_grad()
+
+    try:
+        for _ in range(5):
+            step(opt, w, b)
+            step(ref, ref_w, ref_b)
+        new = torch.randn(16, 8)
+        opt.finish()
+        with torch.no_grad():
+            w.copy_(new)
+            ref_w.copy_(new)
+        opt.reload_values()
+        for _ in range(4):
+            step(opt, w, b)
+            step(ref, ref_w, ref_b)
+        opt.finish()
+        if exact:
+            torch.testing.assert_close(w.detach(), ref_w.detach(), rtol=1e-6, atol=1e-7)
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+        kept = w.detach().clone()
+        opt.finish()
+        with torch.no_grad():
+            w.copy_(new)
+        opt.reload_values()
+        for _ in range(4):
+            step(opt, w, b)
+        opt.finish()
+        assert torch.equal(w.detach(), new), "the host side wrote its old copy back"
+        assert not torch.equal(kept, new)
+        if overlap:
+            step(opt, w, b)  # a window open (or its step in flight)
+            with pytest.raises(RuntimeError, match="call finish\\(\\) before the values are replaced"):
+                opt.reload_values()
+    finally:
+        opt.close()

@@ -993,6 +993,54 @@ def test_stage_3_zenflow_resumes_from_a_checkpoint(tmp_path, precision):
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(went_on), rtol=rtol, atol=atol)
 
 
+def zenflow_engine_at(tmp_path, stage, where):
+    torch.manual_seed(0)
+    if stage == 2:
+        config = stage2_config(tmp_path / "nvme" if where == "nvme" else None, zenflow=_ZENFLOW_ON)
+    else:
+        config = zenflow3_config(tmp_path, _ZENFLOW_ON, device_memory=model_bytes(TinyLM()) // 3)
+        if where == "nvme":
+            config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+    config["gradient_clipping"] = 0.0  # an update of zero at lr 0 (clipping leaves it zero anyway)
+    return tierflow.initialize(model=TinyLM(), config=config)[0]
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "load_checkpoint"])
+@pytest.mark.parametrize("stage,where", [(2, "cpu"), (2, "nvme"), (3, "cpu"), (3, "nvme")],
+                         ids=["stage2-in-place", "stage2-nvme", "stage3-cpu", "stage3-nvme"])
+def test_weights_loaded_under_zenflow_are_what_it_steps_next_without_its_state_through_ram(tmp_path, stage, where,
+                                                                                          how):
+    """A model's load_state_dict, and load_checkpoint(load_optimizer_states=
+    False), under ZenFlow: ZenFlow's host side keeps its own copy of the
+    columns it steps (overlapped, or on NVMe), which would write the old
+    values back at the next window. The loaded values are given to it
+    (ZenFlow.reload_values: a weight at a time, never its state whole in
+    RAM), so with lr 0 two windows later the model still holds exactly what
+    was loaded, and its moments are the run's own."""
+    engine = zenflow_engine_at(tmp_path, stage, where)
+    try:
+        tierflow_losses(engine, 4)
+        loaded = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        engine.save_checkpoint(tmp_path / "ckpt")
+        tierflow_losses(engine, 3, first=4)  # the weights move on from the checkpoint's
+        moments_before = engine.optimizer.zenflow_stats()["steps"]
+        with state_never_gathered():
+            if how == "load_state_dict":
+                engine.module.load_state_dict(loaded)
+            else:
+                engine.load_checkpoint(tmp_path / "ckpt", load_optimizer_states=False,
+                                       load_lr_scheduler_states=False)
+        for group in engine.optimizer.param_groups:
+            group["lr"] = 0.0
+        tierflow_losses(engine, 8, first=7)  # two windows of update_interval 4
+        now = engine.module.state_dict()
+        assert engine.optimizer.zenflow_stats()["steps"] == moments_before + 8
+    finally:
+        engine.close()
+    for name, value in loaded.items():
+        assert torch.equal(now[name], value), name
+
+
 # (state, precision, loss rtol, weight atol). Measured over 12 micro-batches: fp32 losses within
 # 2.2e-7 relative and weights within 2.3e-7, with the state in host memory and on NVMe alike; bf16
 # within one bf16 step of the loss (7.4e-3) and of a weight (6.3e-3).

@@ -45,7 +45,7 @@ class ResidentRuntime:
         if precision != "fp32":
             model.to(_DTYPES[precision])
         self.zenflow: PartitionedZenFlow | None = None
-        self._finish_hook: Any = None
+        self._hooks: list[Any] = []
         nvme = optimizer_nvme(config, 0, 1, None)
         zf = config.zero.zenflow
         if isinstance(config.optimizer, MuonConfig):
@@ -66,9 +66,14 @@ class ResidentRuntime:
             self.optimizer = ZenFlow(trainable, **zenflow_options(config, nvme))
             self.state = OptimizerSide(self.optimizer, in_place=True)
             # The model's values lag the open window until finish(): a
-            # state_dict() of the model reads them after it.
-            self._finish_hook = model.register_state_dict_pre_hook(
-                lambda module, prefix, keep_vars: self.state.finish())
+            # state_dict() of the model reads them after it. A
+            # load_state_dict() lands after it too, and the host side then
+            # takes the loaded values, which its own copy would overwrite.
+            self._hooks = [
+                model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.state.finish()),
+                model.register_load_state_dict_pre_hook(lambda module, *args: self.state.finish()),
+                model.register_load_state_dict_post_hook(lambda module, incompatible: self.optimizer.reload_values()),
+            ]
 
     @property
     def device(self) -> torch.device:
@@ -177,6 +182,7 @@ class ResidentRuntime:
         return {id(p): p.numel() for g in self.optimizer.param_groups for p in g["params"]}
 
     def close(self) -> None:
-        if self._finish_hook is not None:
-            self._finish_hook.remove()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         self.state.close()

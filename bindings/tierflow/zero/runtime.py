@@ -347,6 +347,9 @@ class OptimizerSide:
         if self.zenflow is not None:
             self.zenflow.reload()
             return
+        if self.in_place:  # ZenFlow's host side keeps its own copy of its columns
+            self.optimizer.reload_values()
+            return
         refresh = getattr(self.optimizer, "refresh_masters", None)
         if callable(refresh):
             refresh()

@@ -226,10 +226,12 @@ class PartitionedZenFlow:
 
     def reload(self) -> None:
         """Makes the masters again from the store's values (the model's were
-        replaced), and ZenFlow's engine anew over them, its state carried."""
+        replaced) and gives them to ZenFlow's host side
+        (:meth:`ZenFlow.reload_values`: with its state on NVMe a weight at a
+        time through its host budget), every moment and the selection kept."""
         self.optimizer.finish()
         self._read_masters()
-        self._restart_engine(self.optimizer.state_dict())
+        self.optimizer.reload_values()
 
     # ---- checkpoints ---------------------------------------------------------------------------
 

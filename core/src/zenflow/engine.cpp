@@ -752,6 +752,26 @@ void engine::read_state(std::span<const host_buffers> out) {
   }
 }
 
+void engine::reload_values(std::span<const std::span<const float>> values) {
+  if (!quiet())
+    throw user_error("zenflow: reload_values: a window is open or a CPU step is in flight; call finish() before "
+                     "the values are replaced");
+  if (values.size() != weights_.size())
+    throw user_error("zenflow: reload_values: " + std::to_string(values.size()) + " values for " +
+                     std::to_string(weights_.size()) + " weights");
+  for (std::size_t w = 0; w < weights_.size(); ++w) {
+    if (values[w].size() != weights_[w].elements())
+      throw user_error("zenflow: reload_values: the values of weight \"" + weights_[w].name + "\" are not of its size");
+  }
+  host_.for_each(matrices_, [&](std::size_t w, const host_buffers& buffers) {
+    const std::uint64_t rows = weights_[w].rows;
+    for (const column_run r : owned_by_host_[w]) {
+      const std::size_t begin = r.begin * rows, n = (r.end - r.begin) * rows;
+      copy_floats(values[w].subspan(begin, n), buffers.param.subspan(begin, n));
+    }
+  });
+}
+
 void engine::check_resumable(const engine_checkpoint& c) const {
   if (step_ != 0 || selection_made_ || !quiet())
     throw user_error("zenflow: restore needs an engine that has run no step");

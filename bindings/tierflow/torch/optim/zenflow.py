@@ -324,6 +324,27 @@ class ZenFlow(Optimizer):
         if self._engine is not None:
             self._engine.finish()
 
+    def reload_values(self) -> None:
+        """Takes the parameters' values again after they were replaced in
+        place from outside the optimizer (a model's ``load_state_dict``, a
+        copy into ``p.data``): the host side keeps its own copy of the
+        columns it steps (under ``overlap_step``, or with ``offload="nvme"``
+        in its files), which the next window would otherwise write back over
+        the new values. Each copy is taken from the parameters again — with
+        ``offload="nvme"`` a weight at a time through ``host_memory``, never
+        the state whole in RAM — and every moment, step count and selection
+        is kept, as torch.optim.AdamW keeps its state when a model's weights
+        are loaded. Call :meth:`finish` before replacing the values (an
+        update in flight would land on them); raises RuntimeError when a
+        window is open or a step in flight. CPU parameters only: for CUDA
+        ones (fp32 masters kept apart) load the state_dict again."""
+        if self._engine is None:  # the next step's engine is made from the values as they are
+            return
+        try:
+            self._engine.reload_values()
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
+
     @property
     def nvme_dir(self) -> str | None:
         """The directory of the host state's files (offload="nvme"), else None."""

@@ -364,6 +364,18 @@ class engine {
   // dropped: the selection stays as it is until the next select boundary.
   void finish();
 
+  // The parameters' values were replaced from outside the optimizer (a
+  // model's load_state_dict): after finish(), the host's copy of each column
+  // it owns is taken again from values[w] (weight w whole, in its layout:
+  // the new compute values), through host_state::for_each — a weight at a
+  // time, so a state streamed from storage never comes whole into memory —
+  // and every state is left as it is, as torch's optimizers keep theirs when
+  // a model's weights are loaded. The device's columns are the device's
+  // own: for a device side that computes on the parameters (cpu_device) they
+  // are the new values already. Throws user_error unless the engine is
+  // quiet, or for values not of the weights' sizes.
+  void reload_values(std::span<const std::span<const float>> values);
+
   // ---- checkpoints ----
   // A checkpoint is taken at a quiet moment: after finish(), before the
   // next step. Columns on either side keep their own step count (the
