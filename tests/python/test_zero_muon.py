@@ -8,9 +8,6 @@ the state in host memory and on NVMe, a checkpoint resume, and the cases
 the engine refuses."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -394,15 +391,7 @@ def test_two_gloo_ranks_step_muon_on_gathered_matrices_and_train_as_one_process(
 
     monkeypatch.setenv("ZERO_RESUME_BF16", "1" if precision == "bf16" else "0")
     one = worker.run(str(tmp_path / "one"), str(tmp_path / "one" / "ck"), state, "muon")
-    out = tmp_path / "two.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(tierflow.__file__)),
-                                          os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           worker.__file__, str(out), str(tmp_path / "two"), state, "muon"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"two.json.rank{r}").read_text()) for r in range(2)]
+    ranks = worker.two_ranks(tmp_path, state, "muon")
     assert one["parts"] == ["Muon", "AdamW"] and ranks[0]["parts"] == ["ShardedMuon", "AdamW"]
     assert ranks[0]["world"] == 2 and ranks[0]["losses"] == ranks[1]["losses"]
     assert ranks[0]["losses"] == ranks[0]["uninterrupted"] and one["losses"] == one["uninterrupted"]

@@ -49,6 +49,25 @@ class TinyLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
 
+def train_on_rows(engine, data, steps, rows: slice, world: int) -> list[float]:
+    """Each of ``steps``' GAS micro-batches of ``data``, this rank's
+    ``rows`` of it; returns each micro-batch's loss over the global batch
+    (the mean of the ranks')."""
+    losses = []
+    for step in steps:
+        for micro in range(GAS):
+            x, y = data[step * GAS + micro]
+            loss = engine(x[rows], y[rows])
+            engine.backward(loss)
+            engine.step()
+            mean = loss.detach().clone()
+            if world > 1:
+                torch.distributed.all_reduce(mean)
+                mean /= world
+            losses.append(mean.item())
+    return losses
+
+
 def config(nvme: str, device_memory: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH,
@@ -98,19 +117,7 @@ def run(nvme: str, checkpoint_dir: str) -> dict:
         return engine
 
     def train(engine, steps):
-        losses = []
-        for step in steps:
-            for micro in range(GAS):
-                x, y = data[step * GAS + micro]
-                loss = engine(x[rows], y[rows])
-                engine.backward(loss)
-                engine.step()
-                mean = loss.detach().clone()
-                if world > 1:
-                    torch.distributed.all_reduce(mean)
-                    mean /= world
-                losses.append(mean.item())
-        return losses
+        return train_on_rows(engine, data, steps, rows, world)
 
     engine = make()
     losses = train(engine, range(FIRST))

@@ -11,13 +11,14 @@ trains in bf16 (fp32 masters)."""
 
 import json
 import os
+import subprocess
 import sys
 
 import torch
 
 import tierflow
 
-from zero_dp_worker import GAS, GLOBAL_BATCH, TinyLM, batches
+from zero_dp_worker import GAS, GLOBAL_BATCH, TinyLM, batches, train_on_rows
 
 STEPS, FIRST = 6, 3
 
@@ -61,19 +62,7 @@ def run(nvme: str, checkpoint_dir: str, state: str, kind: str = "muon") -> dict:
         return engine
 
     def train(engine, steps):
-        losses = []
-        for step in steps:
-            for micro in range(GAS):
-                x, y = data[step * GAS + micro]
-                loss = engine(x[rows], y[rows])
-                engine.backward(loss)
-                engine.step()
-                mean = loss.detach().clone()
-                if world > 1:
-                    torch.distributed.all_reduce(mean)
-                    mean /= world
-                losses.append(mean.item())
-        return losses
+        return train_on_rows(engine, data, steps, rows, world)
 
     engine = make()
     kinds = [type(part).__name__ for part in getattr(engine.optimizer, "parts", [engine.optimizer])]
@@ -89,6 +78,23 @@ def run(nvme: str, checkpoint_dir: str, state: str, kind: str = "muon") -> dict:
     uninterrupted = train(engine, range(STEPS))
     engine.close()
     return {"losses": losses, "uninterrupted": uninterrupted, "weights": weights, "parts": kinds, "world": world}
+
+
+def two_ranks(tmp_path, state: str, kind: str, timeout: int = 300) -> list[dict]:
+    """This worker under torchrun, 2 gloo ranks, its NVMe and checkpoints
+    under ``tmp_path / "two"``: each rank's result (the tierflow imported
+    here, and this folder, on the ranks' path)."""
+    import tierflow as imported
+
+    out = tmp_path / "two.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(imported.__file__)),
+                                          os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           os.path.abspath(__file__), str(out), str(tmp_path / "two"), state, kind],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((tmp_path / f"two.json.rank{r}").read_text()) for r in range(2)]
 
 
 if __name__ == "__main__":
