@@ -296,21 +296,7 @@ class ZenFlow(Optimizer):
         engine = self._engine_for_step()
         if engine is None:
             return loss
-        for index, group in enumerate(self.param_groups):
-            if not any(self._group_of[id(p)] == index for p in self._engine_params):
-                continue
-            beta1, beta2 = group["betas"]
-            engine.set_group(
-                index,
-                lr=_scalar(group["lr"]),
-                beta1=_scalar(beta1),
-                beta2=_scalar(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                decoupled=bool(group.get("decoupled_weight_decay", True)),
-                muon_momentum=self.muon_momentum,
-                muon_adjust_lr_fn=self.muon_adjust_lr_fn,
-            )
+        self._set_groups(engine, self._engine_params)
         engine.step([self._gradient_of(p) for p in self._engine_params])
         steps = float(engine.stats()["steps"])
         for p in self._engine_params:
@@ -639,6 +625,8 @@ class ZenFlow(Optimizer):
             threads=self.threads, masters=masters, stream=stream,
             nvme_dir=self._nvme_dir, host_memory=self._host_memory, file_size=file_size, aio=self._aio,
         )
+        # The restore below rebases the host's columns' moments by the groups' betas.
+        self._set_groups(engine, params)
         ids = {id(p) for p in params}
         if any(pid in ids for pid in pending):
             self._restore(engine, params, pending, zen, index_of)
@@ -646,6 +634,25 @@ class ZenFlow(Optimizer):
         self._carried = {pid: entry for pid, entry in pending.items() if pid not in ids}
         for p in params:
             self.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+
+    def _set_groups(self, engine: _core.ZenFlowEngine, params: list[Tensor]) -> None:
+        """Gives ``engine`` each group's hyper-parameters as they are now: for
+        the next step, and for the moments a restore rebases by their betas."""
+        for index, group in enumerate(self.param_groups):
+            if not any(self._group_of[id(p)] == index for p in params):
+                continue
+            beta1, beta2 = group["betas"]
+            engine.set_group(
+                index,
+                lr=_scalar(group["lr"]),
+                beta1=_scalar(beta1),
+                beta2=_scalar(beta2),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                decoupled=bool(group.get("decoupled_weight_decay", True)),
+                muon_momentum=self.muon_momentum,
+                muon_adjust_lr_fn=self.muon_adjust_lr_fn,
+            )
 
     def _engine_layout(self, params: list[Tensor]) -> list[tuple[int, str, tuple[int, ...], bool]]:
         """What makes the engine's state (save_state() checks it at load):
