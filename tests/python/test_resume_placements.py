@@ -75,26 +75,72 @@ def test_a_corrupt_nvme_checkpoint_loaded_into_host_memory_is_refused_and_change
     assert glob.glob(str(tmp_path / "ckpt" / ".tierflow-moving-state-*")) == []
 
 
-def test_zenflow_state_on_another_placement_is_refused_by_name(tmp_path):
-    zenflow = {"topk_ratio": 0.25, "update_interval": 2, "select_interval": 2}
+_ZENFLOW = {"topk_ratio": 0.25, "update_interval": 2, "select_interval": 2, "overlap_step": True}
 
-    def make(where, nvme):
-        torch.manual_seed(0)
-        from test_zero import TinyLM
 
-        config = stage2_config(nvme, zenflow=zenflow)
-        engine, *_ = tierflow.initialize(model=TinyLM(), config=config)
-        return engine
+def _zenflow_engine(tmp_path, where, stage, precision, seed=0):
+    """TinyLM under ZenFlow, its windowed state in host memory or on NVMe."""
+    from test_zero import TinyLM, ds_config, model_bytes
 
-    engine = make("a", tmp_path / "nvme-a")
+    if stage == 2:
+        config = stage2_config(tmp_path / "nvme" if where == "nvme" else None, zenflow=dict(_ZENFLOW))
+    else:
+        config = ds_config(tmp_path / "nvme", device_memory=model_bytes(TinyLM()) // 3)
+        config["zero_optimization"]["zenflow"] = dict(_ZENFLOW)
+        if where == "cpu":
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    config["gradient_clipping"] = 0.0
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    torch.manual_seed(seed)
+    engine, *_ = tierflow.initialize(model=TinyLM(), config=config)
+    return engine
+
+
+@pytest.mark.parametrize("saved,loaded", [("cpu", "nvme"), ("nvme", "cpu")], ids=["cpu_to_nvme", "nvme_to_cpu"])
+@pytest.mark.parametrize("stage,precision", [(2, "fp32"), (3, "fp32"), (3, "bf16")],
+                         ids=["stage2-in-place", "stage3-fp32", "stage3-bf16"])
+def test_a_zenflow_checkpoint_resumes_on_the_other_placement_as_one_kept_in_host_memory(tmp_path, saved, loaded,
+                                                                                         stage, precision):
+    """ZenFlow's state saved on one placement and loaded on the other (a
+    window open at the save) resumes as a checkpoint saved and loaded in
+    host memory does, bit for bit: both placements train to the same bits,
+    and either way the state arrives as ZenFlow's state_dict (the moments at
+    the device's count, the selection, the trigger; a bf16 run's masters)."""
+    runs = {}
+    for name, (first, then) in {"reference": ("cpu", "cpu"), "moved": (saved, loaded)}.items():
+        engine = _zenflow_engine(tmp_path / name / "a", first, stage, precision)
+        try:
+            tierflow_losses(engine, 3)
+            engine.save_checkpoint(tmp_path / name / "ckpt")
+        finally:
+            engine.close()
+        engine = _zenflow_engine(tmp_path / name / "b", then, stage, precision, seed=1)
+        try:
+            assert engine.runtime.state.on_nvme == (then == "nvme")
+            engine.load_checkpoint(tmp_path / name / "ckpt")
+            assert engine.global_steps == 3
+            runs[name] = (tierflow_losses(engine, 4, first=3), engine.module.state_dict())
+        finally:
+            engine.close()
+        assert glob.glob(str(tmp_path / name / "ckpt" / ".tierflow-moving-state-*")) == []
+    assert runs["moved"][0] == runs["reference"][0]
+    _same(runs["moved"][1], runs["reference"][1], "the weights")
+
+
+def test_muon_state_on_another_placement_is_refused_by_name(tmp_path):
+    from test_zero_muon import config, engine_losses, make_engine
+
+    engine = make_engine(config(tmp_path / "a", 2, "nvme", clip=0.0))
     try:
-        tierflow_losses(engine, 2)
+        engine_losses(engine, 2)
         engine.save_checkpoint(tmp_path / "ckpt")
     finally:
         engine.close()
-    engine = make("b", None)
+    engine = make_engine(config(tmp_path / "b", 2, "cpu", clip=0.0))
     try:
-        with pytest.raises(ValueError, match=r"saved on NVMe, this run keeps it in host memory .*only for Adam/AdamW"):
+        with pytest.raises(ValueError, match=r"saved on NVMe, this run keeps it in host memory .*MuonWithAuxAdam's "
+                                             r"state moves between the two only for Adam/AdamW and ZenFlow"):
             engine.load_checkpoint(tmp_path / "ckpt")
         engine.load_checkpoint(tmp_path / "ckpt", load_optimizer_states=False)  # the model alone, as it says
         assert engine.global_steps == 2

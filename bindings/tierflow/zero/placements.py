@@ -17,9 +17,16 @@ The two forms a checkpoint holds the state in are the optimizer's own:
 
 Either way the result is the same ``state_dict`` a checkpoint of this run's
 own placement gives, checked by the same checks before anything is written.
-tierflow's Adam and AdamW move; ZenFlow's windowed state does not yet (its
-save holds the selections and the device-owned columns' state beside the
-moments, in a layout of its own), and is refused by name.
+tierflow's Adam and AdamW move so, and ZenFlow too: its NVMe checkpoint
+(the windowed side's blocks, the selection and the device-owned columns'
+state) is read by a scratch ZenFlow on NVMe over zeroed copies of the
+parameters (its load writes the device's columns into its parameters, which
+must not be the run's until every check has passed), and its ``state_dict``
+(each column's moments at the device's step count, the selection, the
+trigger) is what the run loads; a bf16/fp16 run's ``masters.pt`` is mapped
+beside it. ZenFlow's ``load_state_dict`` keeps that state in RAM until its
+first step makes the engine, so a ZenFlow state moved either way is whole in
+RAM once on the way. Muon's does not move yet, and is refused by name.
 """
 
 from __future__ import annotations
@@ -41,15 +48,13 @@ _WHERE = {True: "on NVMe", False: "in host memory"}
 def check_movable(side: "OptimizerSide", path: str, saved_on_nvme: bool) -> None:
     """Raises ValueError when the state ``path`` holds (saved on NVMe or
     not) cannot be loaded into ``side``'s other placement."""
-    from tierflow.torch.optim import Adam
+    from tierflow.torch.optim import Adam, ZenFlow
 
-    if side.zenflow is not None or not isinstance(side.optimizer, Adam):
-        zenflow = side.zenflow is not None or side.in_place
-        kind = "ZenFlow's" if zenflow else f"{type(side.optimizer).__name__}'s"
+    if not isinstance(side.optimizer, (Adam, ZenFlow)):
         raise ValueError(f"load_checkpoint: {path} holds the optimizer's state saved {_WHERE[saved_on_nvme]}, this "
                          f"run keeps it {_WHERE[not saved_on_nvme]} (zero_optimization.offload_optimizer.device), "
-                         f"and {kind} state moves between the two only for Adam/AdamW; give the same device, or "
-                         "load_optimizer_states=False")
+                         f"and {type(side.optimizer).__name__}'s state moves between the two only for Adam/AdamW "
+                         "and ZenFlow; give the same device, or load_optimizer_states=False")
 
 
 def state_saved_in_memory(file: str, load: Callable[..., Any]) -> Any:
@@ -70,14 +75,15 @@ def state_saved_on_nvme(side: "OptimizerSide", directory: str, load: Callable[..
             file = os.path.join(directory, name)
             raise FileNotFoundError(errno.ENOENT, f"load_checkpoint: {file} is missing (the optimizer's NVMe "
                                                   "checkpoint)", file)
+    from tierflow.torch.optim import ZenFlow
+
     meta = load(os.path.join(directory, "optimizer.pt"), "the optimizer's state")
     own = meta.get("tierflow") if isinstance(meta, dict) else None
-    if not isinstance(own, dict) or "layout" not in own:
-        raise ValueError(f"load_checkpoint: {os.path.join(directory, 'optimizer.pt')} is not an optimizer's NVMe "
-                         "checkpoint")
     optimizer = side.optimizer
-    groups = [dict(g) for g in optimizer.param_groups]  # the same tensors; the saved values replace the rest
-    defaults = optimizer.defaults
+    zenflow = isinstance(optimizer, ZenFlow)
+    if not isinstance(own, dict) or "layout" not in own or zenflow != isinstance(own["layout"], list):
+        raise ValueError(f"load_checkpoint: {os.path.join(directory, 'optimizer.pt')} is not "
+                         f"{'a ZenFlow' if zenflow else 'an Adam/AdamW'} optimizer's NVMe checkpoint")
     tag_dir = os.path.dirname(directory)
     try:
         scratch = tempfile.mkdtemp(prefix=".tierflow-moving-state-", dir=os.path.dirname(tag_dir))
@@ -86,13 +92,42 @@ def state_saved_on_nvme(side: "OptimizerSide", directory: str, load: Callable[..
                                f"scratch directory beside {tag_dir}: {e.strerror}", tag_dir) from None
     reader = None
     try:
-        reader = type(optimizer)(groups, amsgrad=defaults["amsgrad"], offload="nvme", nvme_dir=scratch,
-                                 host_memory=own["layout"]["host_memory"], threads=optimizer.threads,
-                                 aio=getattr(optimizer, "_aio", None))
+        reader = _zenflow_reader(optimizer, scratch) if zenflow else _adam_reader(optimizer, scratch, own)
         reader.load_state(directory)
         saved = reader.state_dict()  # each parameter's state read from the store: the run's RAM form
     finally:
         if reader is not None:
             reader.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    return saved  # (its tensors were read into RAM of their own: the scratch store is gone)
+    # (its tensors were read into RAM of their own: the scratch store is gone)
+    if side.zenflow is None:
+        return saved
+    out = {"optimizer": saved}  # ZenFlow over masters: PartitionedZenFlow.state_dict's form
+    masters = os.path.join(directory, "masters.pt")
+    if os.path.isfile(masters):
+        out["masters"] = load(masters, "the fp32 masters", mmap=True)
+    return out
+
+
+def _adam_reader(optimizer: Any, scratch: str, own: dict[str, Any]) -> Any:
+    """An Adam/AdamW of ``optimizer``'s class and parameters on NVMe in ``scratch``."""
+    groups = [dict(g) for g in optimizer.param_groups]  # the same tensors; the saved values replace the rest
+    return type(optimizer)(groups, amsgrad=optimizer.defaults["amsgrad"], offload="nvme", nvme_dir=scratch,
+                           host_memory=own["layout"]["host_memory"], threads=optimizer.threads,
+                           aio=getattr(optimizer, "_aio", None))
+
+
+def _zenflow_reader(optimizer: Any, scratch: str) -> Any:
+    """A ZenFlow of ``optimizer``'s settings on NVMe in ``scratch``, over
+    zeroed copies of its parameters (grouped and named as they are)."""
+    import torch
+    from tierflow.torch.optim import ZenFlow
+
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [torch.zeros_like(p, requires_grad=p.requires_grad) for p in g["params"]]}
+              for g in optimizer.param_groups]
+    d = optimizer.defaults
+    return ZenFlow(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
+                   decoupled_weight_decay=d["decoupled_weight_decay"], zenflow=optimizer.zenflow_config,
+                   threads=optimizer.threads, offload="nvme", nvme_dir=scratch,
+                   aio=getattr(optimizer, "_aio", None))
