@@ -128,21 +128,40 @@ def test_a_zenflow_checkpoint_resumes_on_the_other_placement_as_one_kept_in_host
     _same(runs["moved"][1], runs["reference"][1], "the weights")
 
 
-def test_muon_state_on_another_placement_is_refused_by_name(tmp_path):
-    from test_zero_muon import config, engine_losses, make_engine
+@pytest.mark.parametrize("saved,loaded", [("cpu", "nvme"), ("nvme", "cpu")], ids=["cpu_to_nvme", "nvme_to_cpu"])
+@pytest.mark.parametrize("stage,precision", [(2, "fp32"), (3, "fp32"), (3, "bf16")])
+def test_a_muon_checkpoint_resumes_on_the_other_placement_as_if_never_stopped(tmp_path, saved, loaded, stage,
+                                                                              precision):
+    """Muon's and AdamW's parts saved on one placement and loaded on the
+    other: the run that never stopped, bit for bit (both placements step
+    each part with the same kernel), the momentum buffers and a bf16 run's
+    masters carried."""
+    from test_zero_muon import SmallLM, batches, config, engine_losses
 
-    engine = make_engine(config(tmp_path / "a", 2, "nvme", clip=0.0))
+    data = batches(12)
+
+    def make(where, name, seed=0):
+        cfg = config(tmp_path / name, stage, where, clip=0.0)
+        if precision == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        torch.manual_seed(seed)
+        engine, *_ = tierflow.initialize(model=SmallLM(), config=cfg)
+        return engine
+
+    engine = make(saved, "a")
     try:
-        engine_losses(engine, 2)
+        engine_losses(engine, 3, data=data)
         engine.save_checkpoint(tmp_path / "ckpt")
+        state_at_save = _state(engine)
+        expected = engine_losses(engine, 3, first=3, data=data)
     finally:
         engine.close()
-    engine = make_engine(config(tmp_path / "b", 2, "cpu", clip=0.0))
+    engine = make(loaded, "b", seed=1)
     try:
-        with pytest.raises(ValueError, match=r"saved on NVMe, this run keeps it in host memory .*MuonWithAuxAdam's "
-                                             r"state moves between the two only for Adam/AdamW and ZenFlow"):
-            engine.load_checkpoint(tmp_path / "ckpt")
-        engine.load_checkpoint(tmp_path / "ckpt", load_optimizer_states=False)  # the model alone, as it says
-        assert engine.global_steps == 2
+        assert engine.runtime.state.on_nvme == (loaded == "nvme")
+        engine.load_checkpoint(tmp_path / "ckpt")
+        _same(_state(engine), state_at_save, "the loaded optimizer state")
+        assert engine_losses(engine, 3, first=3, data=data) == expected
     finally:
         engine.close()
+    assert glob.glob(str(tmp_path / "ckpt" / ".tierflow-moving-state-*")) == []

@@ -26,7 +26,9 @@ must not be the run's until every check has passed), and its ``state_dict``
 trigger) is what the run loads; a bf16/fp16 run's ``masters.pt`` is mapped
 beside it. ZenFlow's ``load_state_dict`` keeps that state in RAM until its
 first step makes the engine, so a ZenFlow state moved either way is whole in
-RAM once on the way. Muon's does not move yet, and is refused by name.
+RAM once on the way. Muon's moves as Adam's does: its NVMe checkpoint is a
+directory per part (``muon/``, ``adamw/``), each read by a scratch part of
+its class on NVMe into the joint ``state_dict``.
 """
 
 from __future__ import annotations
@@ -49,12 +51,13 @@ def check_movable(side: "OptimizerSide", path: str, saved_on_nvme: bool) -> None
     """Raises ValueError when the state ``path`` holds (saved on NVMe or
     not) cannot be loaded into ``side``'s other placement."""
     from tierflow.torch.optim import Adam, ZenFlow
+    from tierflow.zero.muon import MuonWithAuxAdam
 
-    if not isinstance(side.optimizer, (Adam, ZenFlow)):
+    if not isinstance(side.optimizer, (Adam, ZenFlow, MuonWithAuxAdam)):
         raise ValueError(f"load_checkpoint: {path} holds the optimizer's state saved {_WHERE[saved_on_nvme]}, this "
                          f"run keeps it {_WHERE[not saved_on_nvme]} (zero_optimization.offload_optimizer.device), "
-                         f"and {type(side.optimizer).__name__}'s state moves between the two only for Adam/AdamW "
-                         "and ZenFlow; give the same device, or load_optimizer_states=False")
+                         f"and {type(side.optimizer).__name__}'s state moves between the two only for Adam/AdamW, "
+                         "Muon and ZenFlow; give the same device, or load_optimizer_states=False")
 
 
 def state_saved_in_memory(file: str, load: Callable[..., Any]) -> Any:
@@ -70,20 +73,26 @@ def state_saved_on_nvme(side: "OptimizerSide", directory: str, load: Callable[..
     scratch optimizer of the same class and parameters on NVMe. Raises
     FileNotFoundError for a missing part, ValueError for another optimizer's
     layout, TierflowError for a corrupt block; nothing of ``side`` changes."""
-    for name in ("optimizer.pt", "manifest.json"):
-        if not os.path.isfile(os.path.join(directory, name)):
-            file = os.path.join(directory, name)
+    from tierflow.torch.optim import ZenFlow
+    from tierflow.zero.muon import MuonWithAuxAdam
+
+    optimizer = side.optimizer
+    files = (optimizer.checkpoint_files(directory) if isinstance(optimizer, MuonWithAuxAdam) else
+             [os.path.join(directory, name) for name in ("optimizer.pt", "manifest.json")])
+    for file in files:
+        if not os.path.isfile(file):
             raise FileNotFoundError(errno.ENOENT, f"load_checkpoint: {file} is missing (the optimizer's NVMe "
                                                   "checkpoint)", file)
-    from tierflow.torch.optim import ZenFlow
 
     meta = load(os.path.join(directory, "optimizer.pt"), "the optimizer's state")
     own = meta.get("tierflow") if isinstance(meta, dict) else None
-    optimizer = side.optimizer
-    zenflow = isinstance(optimizer, ZenFlow)
-    if not isinstance(own, dict) or "layout" not in own or zenflow != isinstance(own["layout"], list):
-        raise ValueError(f"load_checkpoint: {os.path.join(directory, 'optimizer.pt')} is not "
-                         f"{'a ZenFlow' if zenflow else 'an Adam/AdamW'} optimizer's NVMe checkpoint")
+    zenflow, muon = isinstance(optimizer, ZenFlow), isinstance(optimizer, MuonWithAuxAdam)
+    kind = "a ZenFlow" if zenflow else "a Muon" if muon else "an Adam/AdamW"
+    expected = "parts" if muon else "layout"
+    if (not isinstance(own, dict) or expected not in own
+            or (not muon and zenflow != isinstance(own["layout"], list))):
+        raise ValueError(f"load_checkpoint: {os.path.join(directory, 'optimizer.pt')} is not {kind} optimizer's "
+                         "NVMe checkpoint")
     tag_dir = os.path.dirname(directory)
     try:
         scratch = tempfile.mkdtemp(prefix=".tierflow-moving-state-", dir=os.path.dirname(tag_dir))
@@ -92,7 +101,9 @@ def state_saved_on_nvme(side: "OptimizerSide", directory: str, load: Callable[..
                                f"scratch directory beside {tag_dir}: {e.strerror}", tag_dir) from None
     reader = None
     try:
-        reader = _zenflow_reader(optimizer, scratch) if zenflow else _adam_reader(optimizer, scratch, own)
+        reader = (_zenflow_reader(optimizer, scratch) if zenflow else
+                  _muon_reader(optimizer, scratch, directory, load) if muon else
+                  _adam_reader(optimizer, scratch, own["layout"]["host_memory"]))
         reader.load_state(directory)
         saved = reader.state_dict()  # each parameter's state read from the store: the run's RAM form
     finally:
@@ -109,12 +120,45 @@ def state_saved_on_nvme(side: "OptimizerSide", directory: str, load: Callable[..
     return out
 
 
-def _adam_reader(optimizer: Any, scratch: str, own: dict[str, Any]) -> Any:
+def _adam_reader(optimizer: Any, scratch: str, host_memory: int) -> Any:
     """An Adam/AdamW of ``optimizer``'s class and parameters on NVMe in ``scratch``."""
     groups = [dict(g) for g in optimizer.param_groups]  # the same tensors; the saved values replace the rest
     return type(optimizer)(groups, amsgrad=optimizer.defaults["amsgrad"], offload="nvme", nvme_dir=scratch,
-                           host_memory=own["layout"]["host_memory"], threads=optimizer.threads,
-                           aio=getattr(optimizer, "_aio", None))
+                           host_memory=host_memory, threads=optimizer.threads, aio=getattr(optimizer, "_aio", None))
+
+
+def _muon_reader(optimizer: Any, scratch: str, directory: str, load: Callable[..., Any]) -> Any:
+    """A MuonWithAuxAdam of ``optimizer``'s parts (their classes, parameters
+    and settings) on NVMe under ``scratch``, each part's host budget the one
+    its checkpoint in ``directory`` was saved with."""
+    from tierflow.torch.optim import Adam
+    from tierflow.zero.muon import PART_NAMES, MuonWithAuxAdam, ShardedMuon
+
+    made: dict[bool, Any] = {}
+    try:
+        for use_muon, part in ((True, optimizer.muon), (False, optimizer.adamw)):
+            if part is None:
+                continue
+            name = PART_NAMES[use_muon]
+            own = load(os.path.join(directory, name, "optimizer.pt"), f"the {name} part's state").get("tierflow", {})
+            host_memory = own.get("layout", {}).get("host_memory")
+            part_dir = os.path.join(scratch, name)
+            os.makedirs(part_dir, mode=0o700)
+            if isinstance(part, Adam):
+                made[use_muon] = _adam_reader(part, part_dir, host_memory)
+                continue
+            where = dict(offload="nvme", nvme_dir=part_dir, host_memory=host_memory, threads=part.threads,
+                         ns_dtype=part.ns_dtype)
+            if isinstance(part, ShardedMuon):  # (its groups' values come back with load_state)
+                made[use_muon] = ShardedMuon([p for g in part.param_groups for p in g["params"]], part._shapes,
+                                             part.group, **where)
+            else:
+                made[use_muon] = type(part)([dict(g) for g in part.param_groups], **where)
+        return MuonWithAuxAdam(made.get(True), made.get(False))
+    except BaseException:
+        for reader in made.values():
+            reader.close()
+        raise
 
 
 def _zenflow_reader(optimizer: Any, scratch: str) -> Any:
