@@ -1005,8 +1005,8 @@ def zenflow_engine_at(tmp_path, stage, where):
 
 
 @pytest.mark.parametrize("how", ["load_state_dict", "load_checkpoint"])
-@pytest.mark.parametrize("stage,where", [(2, "cpu"), (2, "nvme"), (3, "cpu"), (3, "nvme")],
-                         ids=["stage2-in-place", "stage2-nvme", "stage3-cpu", "stage3-nvme"])
+# (Stage 2 with its state on NVMe and stage 3 in host memory take the same two paths.)
+@pytest.mark.parametrize("stage,where", [(2, "cpu"), (3, "nvme")], ids=["stage2-in-place", "stage3-nvme"])
 def test_weights_loaded_under_zenflow_are_what_it_steps_next_without_its_state_through_ram(tmp_path, stage, where,
                                                                                           how):
     """A model's load_state_dict, and load_checkpoint(load_optimizer_states=
@@ -1043,7 +1043,7 @@ def test_weights_loaded_under_zenflow_are_what_it_steps_next_without_its_state_t
 # (state, precision, loss rtol, weight atol). Measured over 12 micro-batches: fp32 losses within
 # 2.2e-7 relative and weights within 2.3e-7, with the state in host memory and on NVMe alike; bf16
 # within one bf16 step of the loss (7.4e-3) and of a weight (6.3e-3).
-ZENFLOW_GLOO_CASES = [("cpu", "fp32", 1e-5, 1e-5), ("nvme", "fp32", 1e-5, 1e-5), ("nvme", "bf16", 1.6e-2, 1.6e-2)]
+ZENFLOW_GLOO_CASES = [("cpu", "fp32", 1e-5, 1e-5), ("nvme", "bf16", 1.6e-2, 1.6e-2)]
 
 
 @pytest.mark.parametrize("state,precision,rtol,atol", ZENFLOW_GLOO_CASES,
