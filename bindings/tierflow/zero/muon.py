@@ -24,9 +24,9 @@ from torch.optim.optimizer import Optimizer
 
 from tierflow import _core, _lifetime
 from tierflow.torch.optim import MASTER_KEY, Adam, Muon
-from tierflow.torch.optim.adam import (_LOW_PRECISION, _NvmeState, _check_offload, _master_of, _restore_fp32_state,
-                                       _save_file, _scalar)
-from tierflow.torch.optim.muon import _NS_COEFFICIENTS, _check_hyper_parameters, muon
+from tierflow.torch.optim.adam import (_LOW_PRECISION, _check_offload, _master_of, _restore_fp32_state, _save_file,
+                                       _scalar)
+from tierflow.torch.optim.muon import _MOMENTUM_KEY, _NS_COEFFICIENTS, _MuonNvmeState, _check_hyper_parameters, muon
 
 __all__ = ["MuonWithAuxAdam", "ShardedMuon", "PART_NAMES"]
 
@@ -303,10 +303,7 @@ def set_masters(part: Optimizer, saved: dict[str, Any]) -> None:
                                                  memory_format=torch.contiguous_format, copy=True)
 
 
-_MOMENTUM_KEY = "momentum_buffer"
-
-
-class ShardedMuon(_NvmeState, Optimizer):
+class ShardedMuon(_MuonNvmeState, Optimizer):
     """Muon over stage 3's flat shards of several ranks: each parameter is
     this rank's 1-D shard of a matrix of ``shapes[id(p)]``; its state is the
     shard's (``momentum_buffer``, of the shard's size, in RAM or on NVMe;
@@ -324,8 +321,6 @@ class ShardedMuon(_NvmeState, Optimizer):
     whole matrix; a rank's transient memory is two whole matrices and the
     kernel's workspace. Hyper-parameters and their checks are
     :class:`~tierflow.torch.optim.Muon`'s."""
-
-    _NVME_CLASS = _core.OffloadedMuon
 
     def __init__(self, params: list[Tensor], shapes: dict[int, tuple[int, int]], group: Any, *,
                  lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
@@ -356,50 +351,13 @@ class ShardedMuon(_NvmeState, Optimizer):
         if offload == "nvme":
             self._open_nvme(os.fspath(nvme_dir), host_memory)
 
-    # ---- the NVMe store (as Muon's: one fp32 buffer a parameter) ------------------------------------
-
-    def _nvme_bytes(self, p: Tensor, group: dict[str, Any]) -> int:
-        return p.numel() * 4
-
-    def _add_nvme_param(self, p: Tensor, group: dict[str, Any]) -> int:
-        return self._nvme.add_param(p.numel())
-
-    def _read_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
-        slot = self._slots[p]
-        if not self._nvme.has(slot):
-            return {}
-        value = torch.empty(p.shape, dtype=torch.float32)
-        self._nvme.read(slot, value)
-        return {_MOMENTUM_KEY: value}
-
-    def _write_state(self, p: Tensor, saved: dict[str, Any]) -> None:
-        slot = self._slots[p]
-        value = saved.get(_MOMENTUM_KEY)
-        if not torch.is_tensor(value):
-            self._nvme.forget(slot)
-            return
-        self._nvme.write(slot, value.detach().to(device="cpu", dtype=torch.float32,
-                                                 memory_format=torch.contiguous_format).reshape(p.shape))
-
-    def _layout(self) -> dict[str, Any]:
-        return {"host_memory": self._nvme.host_memory,
-                "slots": [self._slots[p] for g in self.param_groups for p in g["params"]],
-                "state": self._nvme.layout()}
-
-    def _fresh_chunks(self) -> list[list[bool]]:
-        return [self._nvme.fresh_chunks(slot) for slot in range(self._nvme.slot_count)]
-
     def save_state(self, directory: str | os.PathLike) -> None:
         """With offload="nvme", as :meth:`Muon.save_state <tierflow.torch.optim.Muon.save_state>`."""
         self._save_nvme(directory)
 
     def load_state(self, directory: str | os.PathLike) -> None:
         """With offload="nvme", as :meth:`Muon.load_state <tierflow.torch.optim.Muon.load_state>`."""
-        meta, fresh = self._load_nvme(directory, "parameters or host_memory")
-        Optimizer.load_state_dict(self, meta)
-        _restore_fp32_state(self, meta, (MASTER_KEY,))
-        for slot, chunks in enumerate(fresh):
-            self._nvme.set_fresh_chunks(slot, chunks)
+        self._load_muon_state(directory, check=lambda group: None)
 
     def state_dict(self) -> dict[str, Any]:
         state_dict = super().state_dict()

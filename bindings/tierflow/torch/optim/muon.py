@@ -170,7 +170,65 @@ def muon(
             param.copy_(copy)
 
 
-class Muon(_NvmeState, Optimizer):
+class _MuonNvmeState(_NvmeState):
+    """Muon's NVMe store, for tierflow's Muon and the ZeRO engine's
+    ShardedMuon alike: one fp32 momentum buffer a parameter, of its shape
+    (a stage-3 shard's, flat)."""
+
+    _NVME_CLASS = _core.OffloadedMuon
+
+    def _nvme_bytes(self, p: Tensor, group: dict[str, Any]) -> int:
+        return p.numel() * 4  # its fp32 momentum buffer
+
+    def _add_nvme_param(self, p: Tensor, group: dict[str, Any]) -> int:
+        return self._nvme.add_param(p.numel())
+
+    def _read_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        """p's momentum buffer from NVMe, as a torch tensor of p's shape (in
+        RAM); none when p has not stepped since its buffer was (re)started.
+        (``group`` is _NvmeState's: Adam's keys depend on it, the one buffer
+        here does not.)"""
+        slot = self._slots[p]
+        if not self._nvme.has(slot):
+            return {}
+        value = torch.empty(p.shape, dtype=torch.float32)
+        self._nvme.read(slot, value)
+        return {_MOMENTUM_KEY: value}
+
+    def _write_state(self, p: Tensor, saved: dict[str, Any]) -> None:
+        """Writes p's momentum buffer in `saved` to NVMe; without one, p's
+        buffer starts again as torch's (zeros)."""
+        slot = self._slots[p]
+        value = saved.get(_MOMENTUM_KEY)
+        if not torch.is_tensor(value):
+            self._nvme.forget(slot)
+            return
+        self._nvme.write(slot, value.detach().to(device="cpu", dtype=torch.float32,
+                                                 memory_format=torch.contiguous_format).reshape(p.shape))
+
+    def _layout(self) -> dict[str, Any]:
+        """What the NVMe state's blocks are: checked by load_state()."""
+        return {"host_memory": self._nvme.host_memory,
+                "slots": [self._slots[p] for g in self.param_groups for p in g["params"]],
+                "state": self._nvme.layout()}
+
+    def _fresh_chunks(self) -> list[list[bool]]:
+        """Per slot: which chunks of its buffer were never written."""
+        return [self._nvme.fresh_chunks(slot) for slot in range(self._nvme.slot_count)]
+
+    def _load_muon_state(self, directory: str | os.PathLike, check: Callable[[dict[str, Any]], None]) -> None:
+        """load_state's work: the blocks verified and written, the groups and
+        the fp32 masters loaded, each group passed to ``check``."""
+        meta, fresh = self._load_nvme(directory, "parameters or host_memory")
+        Optimizer.load_state_dict(self, meta)
+        _restore_fp32_state(self, meta, (MASTER_KEY,))
+        for group in self.param_groups:
+            check(group)
+        for slot, chunks in enumerate(fresh):
+            self._nvme.set_fresh_chunks(slot, chunks)
+
+
+class Muon(_MuonNvmeState, Optimizer):
     r"""torch.optim.Muon with its step in tierflow's C++ kernel.
 
     The update, for each 2-D parameter :math:`\theta` (``rows`` x ``cols``)
@@ -308,14 +366,6 @@ class Muon(_NvmeState, Optimizer):
         if offload == "nvme":
             self._open_nvme(os.fspath(nvme_dir), host_memory)
 
-    _NVME_CLASS = _core.OffloadedMuon
-
-    def _nvme_bytes(self, p: Tensor, group: dict[str, Any]) -> int:
-        return p.numel() * 4  # its fp32 momentum buffer
-
-    def _add_nvme_param(self, p: Tensor, group: dict[str, Any]) -> int:
-        return self._nvme.add_param(p.numel())
-
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         own = {"ns_dtype": self.ns_dtype, "threads": self.threads, "state_dtype": self.state_dtype,
@@ -351,39 +401,6 @@ class Muon(_NvmeState, Optimizer):
             self.param_groups.pop()
             raise
 
-    def _read_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
-        """p's momentum buffer from NVMe, as a torch tensor of p's shape (in
-        RAM); none when p has not stepped since its buffer was (re)started.
-        (``group`` is _NvmeState's: Adam's keys depend on it, the one buffer
-        here does not.)"""
-        slot = self._slots[p]
-        if not self._nvme.has(slot):
-            return {}
-        value = torch.empty(p.shape, dtype=torch.float32)
-        self._nvme.read(slot, value)
-        return {_MOMENTUM_KEY: value}
-
-    def _write_state(self, p: Tensor, saved: dict[str, Any]) -> None:
-        """Writes p's momentum buffer in `saved` to NVMe; without one, p's
-        buffer starts again as torch's (zeros)."""
-        slot = self._slots[p]
-        value = saved.get(_MOMENTUM_KEY)
-        if not torch.is_tensor(value):
-            self._nvme.forget(slot)
-            return
-        self._nvme.write(slot, value.detach().to(device="cpu", dtype=torch.float32,
-                                                 memory_format=torch.contiguous_format))
-
-    def _layout(self) -> dict[str, Any]:
-        """What the NVMe state's blocks are: checked by load_state()."""
-        return {"host_memory": self._nvme.host_memory,
-                "slots": [self._slots[p] for g in self.param_groups for p in g["params"]],
-                "state": self._nvme.layout()}
-
-    def _fresh_chunks(self) -> list[list[bool]]:
-        """Per slot: which chunks of its buffer were never written."""
-        return [self._nvme.fresh_chunks(slot) for slot in range(self._nvme.slot_count)]
-
     def save_state(self, directory: str | os.PathLike) -> None:
         """With offload="nvme", saves the optimizer into ``directory`` (made
         0700 when missing) without reading its buffers into RAM, as
@@ -403,13 +420,7 @@ class Muon(_NvmeState, Optimizer):
         optimizer's layout (other parameters or host_memory) or an interrupted
         save, and :class:`tierflow.TierflowError` when the checkpoint is
         missing or corrupt; nothing changes then."""
-        meta, fresh = self._load_nvme(directory, "parameters or host_memory")
-        Optimizer.load_state_dict(self, meta)
-        _restore_fp32_state(self, meta, (MASTER_KEY,))
-        for group in self.param_groups:
-            _check_group(group)
-        for slot, chunks in enumerate(fresh):
-            self._nvme.set_fresh_chunks(slot, chunks)
+        self._load_muon_state(directory, check=_check_group)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict. With offload="nvme" the momentum buffers are read
