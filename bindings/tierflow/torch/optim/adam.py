@@ -95,6 +95,55 @@ def _one_device(groups: list[dict[str, Any]]) -> torch.device | None:
     return next(iter(devices), None)
 
 
+try:  # (a torch built without distributed has no DTensor, and then no FSDP2 parameters)
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover
+    _DTensor = None
+
+
+def _local(t: Tensor) -> Tensor:
+    """What the kernel steps for ``t``: a DTensor's local shard (FSDP2's
+    ``fully_shard`` parameters and gradients: this rank's rows, a plain
+    tensor), any other tensor itself. The optimizer keys its state by the
+    parameter and sizes it by this."""
+    if _DTensor is not None and isinstance(t, _DTensor):
+        return t._local_tensor  # (to_local() under no_grad gives this very tensor, without dispatch)
+    return t
+
+
+def _as_dtensor_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each state tensor of a DTensor parameter (a local
+    shard of its shape) made a DTensor over it, on the parameter's mesh and
+    placements; unchanged when no parameter is a DTensor."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    sharded = {i: p for i, p in zip(ids, params) if _local(p) is not p}
+    if not sharded:
+        return state_dict
+    state = dict(state_dict["state"])
+    for i, p in sharded.items():
+        if i not in state:
+            continue
+        local_shape = _local(p).shape
+
+        def shard(v: Any) -> Any:  # the moments and masters; "step" (a scalar) stays a tensor, as torch's
+            if not torch.is_tensor(v) or v.dim() == 0 or v.shape != local_shape:
+                return v
+            return _DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                       stride=p.stride())
+
+        state[i] = {k: shard(v) for k, v in state[i].items()}
+    return {**state_dict, "state": state}
+
+
+def _as_local_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with every DTensor in its state replaced by its local shard."""
+    if _DTensor is None or not any(isinstance(v, _DTensor) for s in state_dict["state"].values() for v in s.values()):
+        return state_dict
+    return {**state_dict, "state": {i: {k: _local(v) if torch.is_tensor(v) else v for k, v in s.items()}
+                                    for i, s in state_dict["state"].items()}}
+
+
 def _master_of(p: Tensor) -> Tensor:
     """The fp32 master of a low-precision parameter, contiguous for the kernel."""
     return p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
@@ -273,7 +322,7 @@ def _state_bytes(p: Tensor, amsgrad: bool) -> int:
     """The bytes of a parameter's fp32 state: the moments, the amsgrad maximum
     and the master of a low-precision parameter."""
     buffers = 2 + int(amsgrad) + int(p.dtype in _LOW_PRECISION)
-    return p.numel() * 4 * buffers
+    return _local(p).numel() * 4 * buffers
 
 
 def _parse_state_dtype(state_dtype: Any) -> torch.dtype:
@@ -672,7 +721,7 @@ class Adam(_NvmeState, Optimizer):
         return _state_bytes(p, group["amsgrad"])
 
     def _add_nvme_param(self, p: Tensor, group: dict[str, Any]) -> int:
-        return self._nvme.add_param(p.numel(), p.dtype in _LOW_PRECISION, bool(group["amsgrad"]))
+        return self._nvme.add_param(_local(p).numel(), p.dtype in _LOW_PRECISION, bool(group["amsgrad"]))
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -728,7 +777,7 @@ class Adam(_NvmeState, Optimizer):
             keys.append(MASTER_KEY)
         out = {}
         for key in keys:
-            value = torch.empty(p.shape, dtype=torch.float32)
+            value = torch.empty(_local(p).shape, dtype=torch.float32)
             if key == MASTER_KEY:
                 self._nvme.read(slot, key, value, _kernel_view(self._host_of(p)).contiguous())
             elif self._nvme.has(slot, key):
@@ -752,7 +801,7 @@ class Adam(_NvmeState, Optimizer):
             value = value.detach().to(device="cpu", dtype=torch.float32, memory_format=torch.contiguous_format)
             # A master carried, untouched, through an optimizer that updated
             # the parameter alone (torch.optim's) is made again from it.
-            if key == MASTER_KEY and not torch.equal(value.view(p.shape).to(p.dtype),
+            if key == MASTER_KEY and not torch.equal(value.view(_local(p).shape).to(p.dtype),
                                                      self._host_of(p).detach()):
                 self._nvme.forget(slot, key)
                 continue
@@ -766,7 +815,7 @@ class Adam(_NvmeState, Optimizer):
         if self._nvme is not None:
             self._nvme.write(self._slots[p], MASTER_KEY, value)
         else:
-            self.state[p][MASTER_KEY] = value.view(p.shape)
+            self.state[p][MASTER_KEY] = value.view(_local(p).shape)
 
     def _layout(self) -> dict[str, Any]:
         """What the NVMe state's blocks are: checked by load_state()."""
@@ -831,9 +880,14 @@ class Adam(_NvmeState, Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict. With offload="nvme" the state tensors are read
         from NVMe into RAM (the whole state, as fp32 tensors: mind its size;
-        :meth:`save_state` saves without that)."""
+        :meth:`save_state` saves without that). The state of an FSDP2
+        (DTensor) parameter is given as DTensors sharded as the parameter is,
+        as torch.optim's is, so torch.distributed.checkpoint saves and loads
+        it by the parameter's name."""
         state_dict = super().state_dict()
-        return state_dict if self._nvme is None else self._merge_nvme_state(state_dict)
+        if self._nvme is not None:
+            state_dict = self._merge_nvme_state(state_dict)
+        return _as_dtensor_state(self, state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, except that the fp32 master and moments of a bf16/fp16
@@ -846,6 +900,7 @@ class Adam(_NvmeState, Optimizer):
         state of a CUDA parameter is placed in host memory, never on its device
         (torch's load would move it there), and its host copy is read again
         from the parameter: load the model's weights first."""
+        state_dict = _as_local_state(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         if self._device_params is not None:
@@ -853,9 +908,9 @@ class Adam(_NvmeState, Optimizer):
         if self._nvme is not None:
             for saved_id, p in zip(saved_ids, params):  # refused before anything changes
                 for key, value in state_dict["state"].get(saved_id, {}).items():
-                    if key in _FP32_STATE and torch.is_tensor(value) and value.numel() != p.numel():
-                        raise ValueError(f"state {saved_id} {key}: {value.numel()} elements for a "
-                                         f"parameter of {p.numel()}")
+                    if key in _FP32_STATE and torch.is_tensor(value) and _local(value).numel() != _local(p).numel():
+                        raise ValueError(f"state {saved_id} {key}: {_local(value).numel()} elements for a "
+                                         f"parameter of {_local(p).numel()}")
             stripped = dict(state_dict)
             stripped["state"] = {i: {k: v for k, v in s.items() if k not in _FP32_STATE}
                                  for i, s in state_dict["state"].items()}
@@ -1025,8 +1080,9 @@ class Adam(_NvmeState, Optimizer):
         return self._device_params
 
     def _host_of(self, p: Tensor) -> Tensor:
-        """p's values in host memory: p itself, or a device parameter's image."""
-        return self._device_side().image(p) if _device.on_device(p) else p
+        """p's values in host memory: p itself (an FSDP2 parameter's local
+        shard), or a device parameter's image."""
+        return self._device_side().image(p) if _device.on_device(p) else _local(p)
 
     def _group_index(self, p: Tensor) -> int:
         """The index of the param group holding ``p``, from a map made again
@@ -1057,7 +1113,7 @@ class Adam(_NvmeState, Optimizer):
                 raise ValueError("step_parameters: steps host parameters; a device one goes through step()")
             index = self._group_index(p)
             _check_group(self.param_groups[index])
-            groups.setdefault(index, []).append((p, p, p.grad))
+            groups.setdefault(index, []).append((p, _local(p), _local(p.grad)))
         skipped = self._step_items(sorted(groups.items()))
         self._skipped_since_step = getattr(self, "_skipped_since_step", set()) | skipped
         return skipped
@@ -1083,9 +1139,12 @@ class Adam(_NvmeState, Optimizer):
                     raise RuntimeError(
                         "Adam does not support sparse gradients, please consider SparseAdam instead"
                     )
+                if _device.on_device(p) and _local(p) is not p:
+                    raise ValueError("an FSDP2 (DTensor) parameter on a GPU: tierflow's Adam steps FSDP2's "
+                                     "shards in host memory; give fully_shard offload_policy=CPUOffloadPolicy()")
                 (on_device if _device.on_device(p) else on_host).append(p)
             if on_host:
-                host.append((index, [(p, p, p.grad) for p in on_host]))
+                host.append((index, [(p, _local(p), _local(p.grad)) for p in on_host]))
             if on_device:
                 device.append((index, on_device))
         if not device:

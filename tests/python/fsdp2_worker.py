@@ -1,0 +1,126 @@
+"""One rank of a model sharded with FSDP2's ``fully_shard`` over a gloo mesh
+on the CPU (``torchrun --nproc-per-node 2 fsdp2_worker.py OUT NVME CASE``):
+the same 30 steps with torch.optim.AdamW and with tierflow's AdamW over the
+same DTensor shards, then tierflow's again stopped at step 15, saved and
+loaded with torch.distributed.checkpoint into a fresh model and optimizer,
+and run to the end. ``CASE``: "plain" (fully_shard as it is),
+"cpu_offload" (``CPUOffloadPolicy(pin_memory=False)``: pinning needs a GPU
+driver) or "nvme" (tierflow's optimizer state on NVMe files in NVME/rank<r>).
+Writes OUT.rank<r>: the losses of each run (each step's global mean) and
+what the state_dict holds."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import tierflow.torch.optim
+
+STEPS, STOP = 30, 15
+HYPER = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def model(case: str) -> nn.Module:
+    """Three blocks of width 24 (odd shards: 96 rows of up.weight over 2 ranks, 24 of down's), each
+    fully_shard'ed, and the root."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*(Block(24) for _ in range(3)), nn.Linear(24, 5))
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if case == "cpu_offload" else {}
+    for block in m[:3]:
+        fully_shard(block, **policy)
+    fully_shard(m, **policy)
+    return m
+
+
+def optimizer(kind: str, m: nn.Module, case: str, nvme: str, rank: int):
+    if kind == "torch":
+        return torch.optim.AdamW(m.parameters(), **HYPER)
+    where = {"offload": "nvme", "nvme_dir": os.path.join(nvme, f"rank{rank}")} if case == "nvme" else {}
+    if where:
+        os.makedirs(where["nvme_dir"], exist_ok=True)
+    return tierflow.torch.optim.AdamW(m.parameters(), **HYPER, **where)
+
+
+def batches(rank: int):
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data, as data parallelism has it
+    return [(torch.randn(8, 24, generator=g), torch.randn(8, 5, generator=g)) for _ in range(STEPS)]
+
+
+def train(m, opt, data, steps, world):
+    losses = []
+    for step in steps:
+        x, y = data[step]
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses
+
+
+def main() -> None:
+    out, nvme, case = sys.argv[1:4]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = batches(rank)
+    result = {}
+    for kind in ("torch", "tierflow"):
+        m = model(case)
+        opt = optimizer(kind, m, case, nvme, rank)
+        result[kind] = train(m, opt, data, range(STEPS), world)
+        if kind == "tierflow":
+            sd = opt.state_dict()
+            first = next(iter(sd["state"].values()))
+            p = next(iter(m.parameters()))
+            result["state"] = {"exp_avg": type(first["exp_avg"]).__name__,
+                               "placements": str(first["exp_avg"].placements) if isinstance(first["exp_avg"], DTensor)
+                               else None, "param_placements": str(p.placements),
+                               "step": type(first["step"]).__name__}
+        if hasattr(opt, "close"):
+            opt.close()
+    # Stopped, saved with torch.distributed.checkpoint, loaded into new ones.
+    m = model(case)
+    opt = optimizer("tierflow", m, case, nvme, rank)
+    resumed = train(m, opt, data, range(STOP), world)
+    model_sd, optim_sd = get_state_dict(m, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(nvme, "dcp"))
+    opt.close()
+    m = model(case)
+    torch.manual_seed(1)
+    for p in m.parameters():  # other values: the checkpoint gives them back
+        p.data.add_(torch.randn_like(p))
+    opt = optimizer("tierflow", m, case, nvme, rank)
+    model_sd, optim_sd = get_state_dict(m, opt)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=os.path.join(nvme, "dcp"))
+    set_state_dict(m, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    resumed += train(m, opt, data, range(STOP, STEPS), world)
+    opt.close()
+    result["resumed"] = resumed
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
