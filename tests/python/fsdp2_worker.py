@@ -5,7 +5,8 @@ same DTensor shards, then tierflow's again stopped at step 15, saved and
 loaded with torch.distributed.checkpoint into a fresh model and optimizer,
 and run to the end. ``CASE``: "plain" (fully_shard as it is),
 "cpu_offload" (``CPUOffloadPolicy(pin_memory=False)``: pinning needs a GPU
-driver) or "nvme" (tierflow's optimizer state on NVMe files in NVME/rank<r>).
+driver) or "nvme" (tierflow's optimizer state on NVMe files in NVME/rank<r>);
+"muon" and "muon_nvme" run :func:`muon_main` instead.
 Writes OUT.rank<r>: the losses of each run (each step's global mean) and
 what the state_dict holds."""
 
@@ -122,5 +123,98 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+MUON = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01, "nesterov": True, "ns_steps": 5}
+AUX = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.01}
+
+
+def muon_main(out: str, nvme: str, case: str) -> None:
+    """Muon (hidden matrices, muon_param_groups' rule) and AdamW (the rest):
+    the unsharded model on the whole batch with torch.optim.Muon + AdamW and
+    with tierflow's, against the model sharded with fully_shard, each rank on
+    its half of the batch, with tierflow's (state on NVMe with "muon_nvme"),
+    20 steps, and a resume through torch.distributed.checkpoint at step 10."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(7)
+    data = [(torch.randn(8, 24, generator=g), torch.randn(8, 5, generator=g)) for _ in range(20)]
+    rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
+
+    def unsharded():
+        torch.manual_seed(0)
+        return nn.Sequential(*(Block(24) for _ in range(3)), nn.Linear(24, 5))
+
+    def sharded():
+        m = unsharded()
+        for block in m[:3]:
+            fully_shard(block)
+        fully_shard(m)
+        return m
+
+    def optimizers(m, kind):
+        hidden, rest = tierflow.torch.optim.muon_param_groups(m)
+        if kind == "torch":
+            return [torch.optim.Muon(hidden, **MUON), torch.optim.AdamW(rest, **AUX)]
+        where = {}
+        if case == "muon_nvme" and kind == "sharded":
+            where = {"offload": "nvme", "nvme_dir": os.path.join(nvme, f"rank{rank}")}
+            os.makedirs(where["nvme_dir"], exist_ok=True)
+        return [tierflow.torch.optim.Muon(hidden, **MUON, **where), tierflow.torch.optim.AdamW(rest, **AUX, **where)]
+
+    def train(m, opts, steps, on_rows):
+        losses = []
+        for step in steps:
+            x, y = data[step]
+            if on_rows:
+                x, y = x[rows], y[rows]
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+            mean = loss.detach().clone()
+            if on_rows:
+                dist.all_reduce(mean)
+                mean /= world
+            losses.append(mean.item())
+        return losses
+
+    result = {}
+    for kind in ("torch", "tierflow"):
+        m = unsharded()
+        result[kind] = train(m, optimizers(m, kind), range(20), on_rows=False)
+    m = sharded()
+    opts = optimizers(m, "sharded")
+    result["sharded"] = train(m, opts, range(20), on_rows=True)
+    buffer = next(iter(opts[0].state_dict()["state"].values()))["momentum_buffer"]
+    result["buffer"] = type(buffer).__name__
+    for o in opts:
+        o.close()
+    m = sharded()
+    opts = optimizers(m, "sharded")
+    resumed = train(m, opts, range(10), on_rows=True)
+    sd = {f"o{i}": get_state_dict(m, o)[1] for i, o in enumerate(opts)}
+    sd["model"] = get_state_dict(m, opts[0])[0]
+    dcp.save(sd, checkpoint_id=os.path.join(nvme, "dcp"))
+    for o in opts:
+        o.close()
+    m = sharded()
+    opts = optimizers(m, "sharded")
+    loaded = {f"o{i}": get_state_dict(m, o)[1] for i, o in enumerate(opts)}
+    loaded["model"] = get_state_dict(m, opts[0])[0]
+    dcp.load(loaded, checkpoint_id=os.path.join(nvme, "dcp"))
+    for i, o in enumerate(opts):
+        set_state_dict(m, o, model_state_dict=loaded["model"], optim_state_dict=loaded[f"o{i}"])
+    resumed += train(m, opts, range(10, 20), on_rows=True)
+    for o in opts:
+        o.close()
+    result["resumed"] = resumed
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[3].startswith("muon"):
+        muon_main(*sys.argv[1:4])
+    else:
+        main()

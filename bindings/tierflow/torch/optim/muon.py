@@ -23,8 +23,12 @@ from tierflow import _core, _lifetime
 from tierflow.torch.optim.adam import (
     _LOW_PRECISION,
     MASTER_KEY,
+    _DTensor,
     _NvmeState,
+    _as_dtensor_state,
+    _as_local_state,
     _check_offload,
+    _local,
     _kernel_view,
     _master_of,
     _parse_state_dtype,
@@ -178,10 +182,10 @@ class _MuonNvmeState(_NvmeState):
     _NVME_CLASS = _core.OffloadedMuon
 
     def _nvme_bytes(self, p: Tensor, group: dict[str, Any]) -> int:
-        return p.numel() * 4  # its fp32 momentum buffer
+        return _local(p).numel() * 4  # its fp32 momentum buffer (an FSDP2 shard's)
 
     def _add_nvme_param(self, p: Tensor, group: dict[str, Any]) -> int:
-        return self._nvme.add_param(p.numel())
+        return self._nvme.add_param(_local(p).numel())
 
     def _read_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
         """p's momentum buffer from NVMe, as a torch tensor of p's shape (in
@@ -191,7 +195,7 @@ class _MuonNvmeState(_NvmeState):
         slot = self._slots[p]
         if not self._nvme.has(slot):
             return {}
-        value = torch.empty(p.shape, dtype=torch.float32)
+        value = torch.empty(_local(p).shape, dtype=torch.float32)
         self._nvme.read(slot, value)
         return {_MOMENTUM_KEY: value}
 
@@ -204,7 +208,7 @@ class _MuonNvmeState(_NvmeState):
             self._nvme.forget(slot)
             return
         self._nvme.write(slot, value.detach().to(device="cpu", dtype=torch.float32,
-                                                 memory_format=torch.contiguous_format).reshape(p.shape))
+                                                 memory_format=torch.contiguous_format).reshape(_local(p).shape))
 
     def _layout(self) -> dict[str, Any]:
         """What the NVMe state's blocks are: checked by load_state()."""
@@ -427,7 +431,9 @@ class Muon(_MuonNvmeState, Optimizer):
         from NVMe into RAM (fp32 tensors: mind their size; :meth:`save_state`
         saves without that)."""
         state_dict = super().state_dict()
-        return state_dict if self._nvme is None else self._merge_nvme_state(state_dict)
+        if self._nvme is not None:
+            state_dict = self._merge_nvme_state(state_dict)
+        return _as_dtensor_state(self, state_dict)  # an FSDP2 matrix's buffer as a DTensor, as its parameter
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, except that the fp32 master and momentum buffer of a
@@ -439,14 +445,15 @@ class Muon(_MuonNvmeState, Optimizer):
         With offload="nvme" the momentum buffers are written to NVMe (a
         parameter without one starts from zeros, as torch's) and only the
         masters stay in ``self.state``."""
+        state_dict = _as_local_state(state_dict)
         if self._nvme is not None:
             params = [p for g in self.param_groups for p in g["params"]]
             saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
             for saved_id, p in zip(saved_ids, params):  # refused before anything changes
                 value = state_dict["state"].get(saved_id, {}).get(_MOMENTUM_KEY)
-                if torch.is_tensor(value) and value.numel() != p.numel():
+                if torch.is_tensor(value) and value.numel() != _local(p).numel():
                     raise ValueError(f"state {saved_id} {_MOMENTUM_KEY}: {value.numel()} elements for a "
-                                     f"parameter of {p.numel()}")
+                                     f"parameter of {_local(p).numel()}")
             stripped = dict(state_dict)
             stripped["state"] = {i: {k: v for k, v in s.items() if k != _MOMENTUM_KEY}
                                  for i, s in state_dict["state"].items()}
@@ -533,6 +540,13 @@ class Muon(_MuonNvmeState, Optimizer):
         """One step of ``group``'s parameters that have a gradient (of
         ``chosen`` alone, when given: parameters of this group)."""
         _check_group(group)
+        todo = [p for p in (group["params"] if chosen is None else chosen) if p.grad is not None]
+        for p in todo:
+            if _local(p) is not p:
+                self._step_sharded(group, p)
+        chosen = [p for p in todo if _local(p) is p]
+        if not chosen:
+            return
         params, grads, momentum_buffers, masters = self._init_group(group, chosen)
         if self._nvme is not None:
             self._step_nvme(group, params, grads, masters)
@@ -551,6 +565,58 @@ class Muon(_MuonNvmeState, Optimizer):
             adjust_lr_fn=group["adjust_lr_fn"],
             ns_dtype=self.ns_dtype,
         )
+
+    def _step_sharded(self, group: dict[str, Any], p: Tensor) -> None:
+        """One step of an FSDP2 matrix (a DTensor of rows sharded over a 1-D
+        mesh: ``Shard(0)``), every rank at once, in the order of the groups.
+        The momentum rule is elementwise, so each rank updates its rows of the
+        buffer and of the momentum update, B <- B + (1-mu)(g - B), U = g +
+        mu (B - g) with Nesterov (else B); then the ranks gather U and the
+        matrix whole (two all-gathers), each runs the Muon kernel on the whole
+        (U as its gradient, momentum 0: Newton–Schulz of U and the update of
+        the whole matrix) and keeps its own rows. Every rank computes the same
+        matrix; a rank's transient memory is two whole matrices."""
+        local, grad = _local(p), _local(p.grad)
+        if p.dtype != torch.float32:
+            raise ValueError(f"an FSDP2 parameter of {p.dtype}: Muon steps fp32 shards (keep the sharded "
+                             "parameters fp32, with MixedPrecisionPolicy for the compute)")
+        mesh, placements = p.device_mesh, tuple(p.placements)
+        if mesh.ndim != 1 or len(placements) != 1 or type(placements[0]).__name__ != "Shard" or placements[0].dim != 0:
+            raise ValueError(f"an FSDP2 parameter placed {placements} on a {mesh.ndim}-D mesh: Muon gathers "
+                             "rows sharded over one mesh dimension (fully_shard's Shard(0))")
+        if p.ndim != 2:
+            raise ValueError("Param gradient must be a 2D matrix")
+        state = self.state[p]
+        if self._nvme is not None:
+            buf = self._read_state(p, group).get(_MOMENTUM_KEY)
+            buf = torch.zeros(local.shape, dtype=torch.float32) if buf is None else buf
+        else:
+            buf = state.get(_MOMENTUM_KEY)
+            if buf is None or buf.dtype != torch.float32:
+                buf = state[_MOMENTUM_KEY] = (torch.zeros(local.shape, dtype=torch.float32) if buf is None
+                                              else buf.to(torch.float32, memory_format=torch.contiguous_format))
+        g = grad.to(torch.float32)
+        # The kernel's momentum rule in its own fp32 arithmetic (mu and 1 - mu rounded to fp32).
+        mu = torch.tensor(_scalar(group["momentum"]), dtype=torch.float32)
+        buf.add_((1 - mu) * (g - buf))
+        update = g + mu * (buf - g) if group["nesterov"] else buf
+
+        def whole(t: Tensor) -> Tensor:
+            return _DTensor.from_local(t.contiguous(), mesh, placements, run_check=False, shape=p.shape,
+                                       stride=p.stride()).full_tensor().contiguous()
+
+        full_update, full = whole(update), whole(local)
+        muon([full], [full_update], [torch.zeros_like(full_update)], [None],
+             executor=self._executor, workspace=self._workspace, lr=group["lr"],
+             weight_decay=group["weight_decay"], momentum=0.0, nesterov=False,
+             ns_coefficients=group["ns_coefficients"], eps=group["eps"], ns_steps=group["ns_steps"],
+             adjust_lr_fn=group["adjust_lr_fn"], ns_dtype=self.ns_dtype)
+        pieces = torch.chunk(full, mesh.size(), dim=0)  # DTensor's Shard(0) split
+        rank = mesh.get_local_rank()
+        mine = pieces[rank] if rank < len(pieces) else full[:0]
+        local.copy_(mine[: local.shape[0]])
+        if self._nvme is not None:  # (self.state[p], made above, marks it stepped)
+            self._write_state(p, {_MOMENTUM_KEY: buf})
 
     @torch.no_grad()
     def step_parameters(self, params: list[Tensor]) -> set[Tensor]:
