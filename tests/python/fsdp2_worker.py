@@ -6,7 +6,8 @@ loaded with torch.distributed.checkpoint into a fresh model and optimizer,
 and run to the end. ``CASE``: "plain" (fully_shard as it is),
 "cpu_offload" (``CPUOffloadPolicy(pin_memory=False)``: pinning needs a GPU
 driver) or "nvme" (tierflow's optimizer state on NVMe files in NVME/rank<r>);
-"muon" and "muon_nvme" run :func:`muon_main` instead.
+"muon" and "muon_nvme" run :func:`muon_main` instead, "clip" and
+"clip_cpu_offload" :func:`clip_main`.
 Writes OUT.rank<r>: the losses of each run (each step's global mean) and
 what the state_dict holds."""
 
@@ -213,8 +214,40 @@ def muon_main(out: str, nvme: str, case: str) -> None:
     dist.destroy_process_group()
 
 
+def clip_main(out: str, case: str) -> None:
+    """tierflow.torch.fsdp.clip_grad_norm_ against torch.nn.utils.clip_grad_norm_
+    over the same gradients of a fully_shard model (``case`` "clip" or
+    "clip_cpu_offload"), for norms 2, 1 and inf: each total norm and the
+    largest difference between the clipped gradients' shards."""
+    import math
+
+    from tierflow.torch.fsdp import clip_grad_norm_
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    result = {}
+    for norm_type in (2.0, 1.0, math.inf):
+        runs = []
+        for clip in (torch.nn.utils.clip_grad_norm_, clip_grad_norm_):
+            m = model("cpu_offload" if case == "clip_cpu_offload" else "plain")
+            g = torch.Generator().manual_seed(3 + rank)
+            x, y = torch.randn(8, 24, generator=g), torch.randn(8, 5, generator=g)
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            norm = clip(m.parameters(), 0.05, norm_type=norm_type)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            runs.append((float(norm), [p.grad.to_local().clone() for p in m.parameters()]))
+        (theirs, g_theirs), (ours, g_ours) = runs
+        result[str(norm_type)] = {"torch": theirs, "tierflow": ours,
+                                  "grads": max((a - b).abs().max().item() for a, b in zip(g_theirs, g_ours))}
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     if sys.argv[3].startswith("muon"):
         muon_main(*sys.argv[1:4])
+    elif sys.argv[3].startswith("clip"):
+        clip_main(sys.argv[1], sys.argv[3])
     else:
         main()
