@@ -15,37 +15,28 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import tierflow
 from tierflow import _core
 from tierflow.zero import GatheredParameters, estimate_memory
 
-from zero_models import Block
+from zero_models import TiedLM
 
 
-class TinyLM(nn.Module):
+class TinyLM(TiedLM):
     """Embedding tied to the LM head, four blocks; `skip` leaves one block out."""
 
     def __init__(self, vocab=64, d=64, layers=4, checkpoint=False):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.emb.weight
-        nn.init.normal_(self.emb.weight, std=0.1)
+        super().__init__(vocab, d, layers)
         self.checkpoint = checkpoint
         self.skip = None
 
-    def forward(self, x, y):
-        h = self.emb(x)
+    def trunk(self, h):
         for i, b in enumerate(self.blocks):
             if i == self.skip:
                 continue
             h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False) if self.checkpoint else b(h)
-        logits = self.head(self.ln(h))
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        return h
 
 
 def model_bytes(model):

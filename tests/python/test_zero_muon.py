@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import tierflow
 from tierflow.config import from_deepspeed
@@ -20,31 +19,18 @@ from tierflow.torch.optim import muon_param_groups
 from tierflow.zero.comm import Group
 from tierflow.zero.muon import ShardedMuon
 
-from zero_models import Block
+from zero_models import TiedLM
 
 STEPS = 4
 GAS = 2
 MUON = {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 3e-3, "momentum": 0.95, "weight_decay": 0.01}}
 
 
-class SmallLM(nn.Module):
+class SmallLM(TiedLM):
     """An embedding tied to the LM head (AdamW's), two blocks whose Linears' weights are Muon's."""
 
     def __init__(self, vocab=32, d=32, layers=2):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.emb.weight
-        nn.init.normal_(self.emb.weight, std=0.1)
-
-    def forward(self, x, y):
-        h = self.emb(x)
-        for b in self.blocks:
-            h = b(h)
-        logits = self.head(self.ln(h))
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        super().__init__(vocab, d, layers)
 
 
 def batches(n, seed=3, vocab=32, batch=4, seq=8):
