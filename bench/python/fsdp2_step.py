@@ -5,7 +5,7 @@ the same shards, in each of its implementations that runs on them (the
 default for-loop, ``foreach=True``, ``fused=True``), in the same run.
 
     torchrun --nproc-per-node 2 bench/python/fsdp2_step.py [--layers 8] [--width 1024]
-        [--steps 10] [--warmup 3] [--threads N] [--json FILE]
+        [--steps 10] [--warmup 3] [--threads N] [--nvme-dir DIR] [--json FILE]
 
 The model is ``--layers`` blocks (LayerNorm, Linear(width, 4·width), GELU,
 Linear(4·width, width)), each ``fully_shard``-ed, and the root; one
@@ -16,7 +16,9 @@ each, the time the slowest rank's. Rank 0 prints each contender's median
 step, the parameters stepped per second and tierflow's speed-up over each
 torch implementation and over the fastest of them (the target is ≥ 2×).
 ``--threads``: torch's and tierflow's CPU threads per rank (default: this
-process's CPUs over the ranks)."""
+process's CPUs over the ranks). ``--nvme-dir``: also tierflow's AdamW with
+its state on NVMe files there (``offload="nvme"``, a directory per rank),
+and that step over the one in host memory."""
 
 from __future__ import annotations
 
@@ -48,11 +50,17 @@ def build(layers: int, width: int) -> nn.Module:
     return model
 
 
-def contenders(threads: int):
+def contenders(threads: int, nvme_dir: str | None, rank: int):
     import tierflow.torch.optim
 
+    out = {"tierflow AdamW": lambda ps: tierflow.torch.optim.AdamW(ps, threads=threads, **HYPER)}
+    if nvme_dir is not None:
+        where = os.path.join(nvme_dir, f"rank{rank}")
+        os.makedirs(where, exist_ok=True)
+        out["tierflow AdamW, state on NVMe"] = lambda ps: tierflow.torch.optim.AdamW(
+            ps, threads=threads, offload="nvme", nvme_dir=where, **HYPER)
     return {
-        "tierflow AdamW": lambda ps: tierflow.torch.optim.AdamW(ps, threads=threads, **HYPER),
+        **out,
         "torch AdamW (for-loop)": lambda ps: torch.optim.AdamW(ps, foreach=False, **HYPER),
         "torch AdamW (foreach=True)": lambda ps: torch.optim.AdamW(ps, foreach=True, **HYPER),
         "torch AdamW (fused=True)": lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER),
@@ -79,6 +87,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int)
+    p.add_argument("--nvme-dir", type=str)
     p.add_argument("--json", type=str)
     args = p.parse_args(argv)
     for name in ("layers", "width", "steps"):
@@ -86,6 +95,8 @@ def main(argv=None) -> int:
             p.error(f"--{name}: {getattr(args, name)} is not ≥ 1")
     if args.warmup < 0:
         p.error(f"--warmup: {args.warmup} is not ≥ 0")
+    if args.nvme_dir is not None and not os.path.isdir(args.nvme_dir):
+        p.error(f"--nvme-dir: {args.nvme_dir} is not a directory")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     threads = args.threads or max(1, len(os.sched_getaffinity(0)) // world)
@@ -96,7 +107,7 @@ def main(argv=None) -> int:
     x = torch.randn(8, args.width)
     model(x).square().mean().backward()
     results, errors = {}, {}
-    for name, make in contenders(threads).items():
+    for name, make in contenders(threads, args.nvme_dir, rank).items():
         try:
             opt = make(params)
             results[name] = statistics.median(time_steps(opt, args.steps, args.warmup))
@@ -113,9 +124,18 @@ def main(argv=None) -> int:
         for name, error in errors.items():
             print(f"  {name:<28} does not run: {error}")
         ours = results.get("tierflow AdamW")
+        on_nvme = results.get("tierflow AdamW, state on NVMe")
+        if ours and on_nvme:
+            # Each step reads and writes a rank's moments: 16 bytes a parameter of its shards.
+            streamed = 16 * numel / world / on_nvme
+            print(f"  tierflow with its state on NVMe over in host memory: {on_nvme / ours:.2f}× "
+                  f"(the moments streamed at {streamed / 1e9:.2f} GB/s a rank, read and written)")
         peers = {k: v for k, v in results.items() if k.startswith("torch")}
         summary = {"world": world, "parameters": numel, "threads": threads, "median_step_s": results,
                    "errors": errors}
+        if ours and on_nvme:
+            summary["nvme_over_host"] = on_nvme / ours
+            summary["nvme_state_bytes_per_s_per_rank"] = 16 * numel / world / on_nvme
         if ours and peers:
             for name, seconds in peers.items():
                 print(f"  tierflow over {name}: {seconds / ours:.2f}×")
