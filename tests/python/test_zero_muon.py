@@ -19,6 +19,7 @@ from tierflow.torch.optim import muon_param_groups
 from tierflow.zero.comm import Group
 from tierflow.zero.muon import ShardedMuon
 
+from test_zero import tierflow_losses
 from zero_models import TiedLM
 
 STEPS = 4
@@ -55,16 +56,8 @@ def config(tmp_path, stage, state, clip=1.0, **extra):
 
 
 def engine_losses(engine, steps=STEPS, first=0, data=None):
-    data = data or batches((first + steps) * GAS)
-    losses = []
-    for step in range(first, first + steps):
-        for micro in range(GAS):
-            x, y = data[step * GAS + micro]
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    return losses
+    """test_zero's loop over this module's batches (a vocabulary of 32)."""
+    return tierflow_losses(engine, steps, gas=GAS, data=data or batches((first + steps) * GAS), first=first)
 
 
 def plain_losses(make_optimizers, clip=1.0, steps=STEPS):
