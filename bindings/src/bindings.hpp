@@ -38,5 +38,7 @@ void bind_config(nanobind::module_& m);
 void bind_offloaded_adam(nanobind::module_& m);
 // ZenFlowEngine: the ZenFlow engine over a model's parameters.
 void bind_zenflow(nanobind::module_& m);
+// AioHandle: DeepSpeed aio_handle's reads and writes over the I/O engine.
+void bind_aio(nanobind::module_& m);
 
 }  // namespace tierflow::python
