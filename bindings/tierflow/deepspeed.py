@@ -29,6 +29,8 @@ replaced.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import types
 from typing import Any
 
@@ -92,7 +94,8 @@ class AioHandle:
         self._io = _core.AioHandle(int(block_size), int(queue_depth), int(intra_op_parallelism))
         self._single_submit, self._overlap_events = bool(single_submit), bool(overlap_events)
         self._intra_op_parallelism = int(intra_op_parallelism)
-        self._locked: dict[int, tuple[int, Tensor]] = {}  # address -> (bytes, the tensor that owns them)
+        # address -> (bytes, the tensor that owns them, whether mlock locked its pages)
+        self._locked: dict[int, tuple[int, Tensor, bool]] = {}
         _lifetime.track(self)  # DeepSpeed's swappers keep their handles to the end
 
     def _release_native(self) -> None:
@@ -164,23 +167,36 @@ class AioHandle:
 
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Tensor) -> Tensor:
         """A CPU tensor of ``num_elem`` elements of ``example_tensor``'s dtype,
-        its address aligned for O_DIRECT, uninitialized (as DeepSpeed's) and
-        page-locked where torch can pin memory (a CUDA build with a driver)."""
+        its address aligned for O_DIRECT, its values unspecified (as
+        DeepSpeed's), its pages resident: page-locked where torch can pin
+        memory (a CUDA build with a driver), else locked with ``mlock`` as
+        DeepSpeed's op locks them, else written once (where the locked-memory
+        limit refuses more), so that no read into it waits on page faults."""
         dtype = example_tensor.dtype
         nbytes = int(num_elem) * torch.empty((), dtype=dtype).element_size()
         raw = torch.empty(nbytes + _ALIGNMENT, dtype=torch.uint8)
+        locked = False
         if torch.cuda.is_available():
             raw = raw.pin_memory()
+        elif nbytes:
+            locked = _libc().mlock(ctypes.c_void_p(raw.data_ptr()), ctypes.c_size_t(raw.numel())) == 0
+            if not locked:
+                raw.zero_()  # resident, if not locked
         skip = -raw.data_ptr() % _ALIGNMENT
         tensor = raw[skip:skip + nbytes].view(dtype)
-        self._locked[tensor.data_ptr()] = (nbytes, raw)
+        self._locked[tensor.data_ptr()] = (nbytes, raw, locked)
         return tensor
 
     def free_cpu_locked_tensor(self, tensor: Tensor) -> None:
-        """Forgets a tensor of :meth:`new_cpu_locked_tensor` (its memory goes
-        with the last reference). Raises ValueError for any other tensor."""
-        if self._locked.pop(tensor.data_ptr(), None) is None:
+        """Forgets a tensor of :meth:`new_cpu_locked_tensor`, unlocking its
+        pages (its memory goes with the last reference). Raises ValueError
+        for any other tensor."""
+        entry = self._locked.pop(tensor.data_ptr(), None)
+        if entry is None:
             raise ValueError("free_cpu_locked_tensor: the tensor was not made by this handle's new_cpu_locked_tensor")
+        _, raw, locked = entry
+        if locked:
+            _libc().munlock(ctypes.c_void_p(raw.data_ptr()), ctypes.c_size_t(raw.numel()))
 
     def is_pinned(self, tensor: Tensor) -> bool:
         """Whether ``tensor`` (or the tensor it is a slice of) was made by
@@ -188,10 +204,15 @@ class AioHandle:
         if tensor.device.type != "cpu":
             return False
         address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        for start, (size, _) in self._locked.items():
+        for start, (size, _, _) in self._locked.items():
             if start <= address and address + nbytes <= start + size:
                 return True
         return bool(torch.cuda.is_available() and tensor.is_pinned())
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _aio_module() -> types.ModuleType:
