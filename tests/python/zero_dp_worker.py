@@ -53,6 +53,19 @@ def train_on_rows(engine, data, steps, rows: slice, world: int) -> list[float]:
     return losses
 
 
+def train_with_a_resume(make, train, checkpoint_dir: str, first: int, steps: int):
+    """``train(engine, range(first))`` on ``make()``'s engine, a checkpoint,
+    then a fresh engine that loads it and trains to ``steps``: the losses of
+    both halves and that engine, still open."""
+    engine = make()
+    losses = train(engine, range(first))
+    engine.save_checkpoint(checkpoint_dir)
+    engine.close()
+    engine = make()
+    engine.load_checkpoint(checkpoint_dir)
+    return losses + train(engine, range(first, steps)), engine
+
+
 def config(nvme: str, device_memory: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH,
@@ -104,13 +117,7 @@ def run(nvme: str, checkpoint_dir: str) -> dict:
     def train(engine, steps):
         return train_on_rows(engine, data, steps, rows, world)
 
-    engine = make()
-    losses = train(engine, range(FIRST))
-    engine.save_checkpoint(checkpoint_dir)
-    engine.close()
-    engine = make()
-    engine.load_checkpoint(checkpoint_dir)
-    losses += train(engine, range(FIRST, STEPS))
+    losses, engine = train_with_a_resume(make, train, checkpoint_dir, FIRST, STEPS)
     state = {k: v.tolist() for k, v in engine.module.state_dict().items()}  # gathered on every rank
     stats = engine.memory_stats()
     try:  # refused over several ranks, as DeepSpeed refuses it at stage 3

@@ -18,7 +18,7 @@ import torch
 
 import tierflow
 
-from zero_dp_worker import GAS, GLOBAL_BATCH, TinyLM, batches, train_on_rows
+from zero_dp_worker import GAS, GLOBAL_BATCH, TinyLM, batches, train_on_rows, train_with_a_resume
 
 STEPS, FIRST = 6, 3
 
@@ -64,14 +64,8 @@ def run(nvme: str, checkpoint_dir: str, state: str, kind: str = "muon") -> dict:
     def train(engine, steps):
         return train_on_rows(engine, data, steps, rows, world)
 
-    engine = make()
+    losses, engine = train_with_a_resume(make, train, checkpoint_dir, FIRST, STEPS)
     kinds = [type(part).__name__ for part in getattr(engine.optimizer, "parts", [engine.optimizer])]
-    losses = train(engine, range(FIRST))
-    engine.save_checkpoint(checkpoint_dir)
-    engine.close()
-    engine = make()
-    engine.load_checkpoint(checkpoint_dir)
-    losses += train(engine, range(FIRST, STEPS))
     weights = {k: v.tolist() for k, v in engine.module.state_dict().items()}  # gathered on every rank
     engine.close()
     engine = make()
