@@ -33,9 +33,10 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
 
     A DTensor gradient (FSDP2's, sharded over a mesh) counts by its local
     shard: each rank sums its shards' ``norm_type``-th powers (or takes their
-    maximum for ``inf``), the sums are all-reduced once per mesh over the
-    mesh's process group, on the mesh's device (a CUDA mesh's NCCL gets a CUDA
-    scalar even when the gradients are in host memory), and every local shard
+    maximum for ``inf``), the sums are all-reduced once per mesh over each
+    mesh dimension the gradient is sharded over (not a replicated one, as
+    HSDP's), on the mesh's device (a CUDA mesh's NCCL gets a CUDA scalar even
+    when the gradients are in host memory), and every local shard
     is scaled in place by ``max_norm / (total + 1e-6)`` when that is below 1.
     A plain tensor gradient counts once, as it is on every rank. ``foreach``
     is accepted as torch's (the norms are computed per tensor either way).
@@ -48,11 +49,16 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
     if not grads:
         return torch.tensor(0.0)
     inf = math.isinf(norm_type)
-    local_by_mesh: dict[int, tuple[object, list[Tensor]]] = {}
+    # Per mesh and placements: the dimensions a gradient is sharded over are
+    # the ones its norm is summed over (a replicated one, HSDP's, holds the
+    # same shard on every rank and is not).
+    local_by_mesh: dict[tuple, tuple[object, list[int], list[Tensor]]] = {}
     plain: list[Tensor] = []
     for g in grads:
         if _DTensor is not None and isinstance(g, _DTensor):
-            local_by_mesh.setdefault(id(g.device_mesh), (g.device_mesh, []))[1].append(_local(g))
+            dims = [d for d, placement in enumerate(g.placements) if placement.is_shard()]
+            key = (id(g.device_mesh), tuple(dims))
+            local_by_mesh.setdefault(key, (g.device_mesh, dims, []))[2].append(_local(g))
         else:
             plain.append(g)
 
@@ -68,12 +74,12 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
     import torch.distributed as dist
 
     total = part(plain)
-    for mesh, locals_ in local_by_mesh.values():
+    for mesh, dims, locals_ in local_by_mesh.values():
         value = part(locals_)
         device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
             else torch.device(mesh.device_type)
         reduced = value.to(device)
-        for dim in range(mesh.ndim):  # every dimension the gradients are sharded or partial over
+        for dim in dims:
             dist.all_reduce(reduced, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
                             group=mesh.get_group(dim))
         value = reduced.cpu()
