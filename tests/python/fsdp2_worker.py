@@ -5,7 +5,11 @@ same DTensor shards, then tierflow's again stopped at step 15, saved and
 loaded with torch.distributed.checkpoint into a fresh model and optimizer,
 and run to the end. ``CASE``: "plain" (fully_shard as it is),
 "cpu_offload" (``CPUOffloadPolicy(pin_memory=False)``: pinning needs a GPU
-driver) or "nvme" (tierflow's optimizer state on NVMe files in NVME/rank<r>);
+driver), "nvme" (tierflow's optimizer state on NVMe files in NVME/rank<r>),
+"offload" (as "nvme", and every parameter shard homed on NVMe by
+``tierflow.torch.fsdp.offload`` within 64 KiB of host memory, so the step
+runs a few shards at a time) or "offload_torch" (the shards so homed within
+1 MiB, stepped by torch.optim.AdamW, at once);
 "muon" and "muon_nvme" run :func:`muon_main` instead, "clip" and
 "clip_cpu_offload" :func:`clip_main`.
 Writes OUT.rank<r>: the losses of each run (each step's global mean) and
@@ -23,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+import tierflow.torch.fsdp
 import tierflow.torch.optim
 
 STEPS, STOP = 30, 15
@@ -52,10 +57,18 @@ def model(case: str) -> nn.Module:
     return m
 
 
+def homed(m: nn.Module, case: str, nvme: str):
+    """tierflow.torch.fsdp.offload's handle on ``m`` for the "offload" cases (None for the others)."""
+    if not case.startswith("offload"):
+        return None
+    budget = 64 << 10 if case == "offload" else 1 << 20
+    return tierflow.torch.fsdp.offload(m, tierflow.torch.fsdp.OffloadPolicy(nvme_dir=nvme, host_memory=budget))
+
+
 def optimizer(kind: str, m: nn.Module, case: str, nvme: str, rank: int):
-    if kind == "torch":
+    if kind == "torch" or case == "offload_torch":
         return torch.optim.AdamW(m.parameters(), **HYPER)
-    where = {"offload": "nvme", "nvme_dir": os.path.join(nvme, f"rank{rank}")} if case == "nvme" else {}
+    where = {"offload": "nvme", "nvme_dir": os.path.join(nvme, f"rank{rank}")} if case in ("nvme", "offload") else {}
     if where:
         os.makedirs(where["nvme_dir"], exist_ok=True)
     return tierflow.torch.optim.AdamW(m.parameters(), **HYPER, **where)
@@ -88,8 +101,15 @@ def main() -> None:
     result = {}
     for kind in ("torch", "tierflow"):
         m = model(case)
+        shards = homed(m, case, nvme) if kind == "tierflow" else None
         opt = optimizer(kind, m, case, nvme, rank)
         result[kind] = train(m, opt, data, range(STEPS), world)
+        if shards is not None:
+            prefetch = shards.telemetry()["prefetch"]
+            result["prefetch"] = {"iterations": prefetch["iterations"], "rerecords": prefetch["rerecords"]}
+            host = next(t for t in shards.telemetry()["store"]["tiers"] if t["kind"] == "host")
+            result["host"] = [host["high_water_bytes"], host["budget_bytes"]]
+            shards.close()
         if kind == "tierflow":
             sd = opt.state_dict()
             first = next(iter(sd["state"].values()))
@@ -102,22 +122,30 @@ def main() -> None:
             opt.close()
     # Stopped, saved with torch.distributed.checkpoint, loaded into new ones.
     m = model(case)
+    shards = homed(m, case, nvme)
     opt = optimizer("tierflow", m, case, nvme, rank)
     resumed = train(m, opt, data, range(STOP), world)
     model_sd, optim_sd = get_state_dict(m, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(nvme, "dcp"))
-    opt.close()
+    if hasattr(opt, "close"):
+        opt.close()
+    if shards is not None:
+        shards.close()
     m = model(case)
     torch.manual_seed(1)
     for p in m.parameters():  # other values: the checkpoint gives them back
         p.data.add_(torch.randn_like(p))
+    shards = homed(m, case, nvme)
     opt = optimizer("tierflow", m, case, nvme, rank)
     model_sd, optim_sd = get_state_dict(m, opt)
     loaded = {"model": model_sd, "optim": optim_sd}
     dcp.load(loaded, checkpoint_id=os.path.join(nvme, "dcp"))
     set_state_dict(m, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     resumed += train(m, opt, data, range(STOP, STEPS), world)
-    opt.close()
+    if hasattr(opt, "close"):
+        opt.close()
+    if shards is not None:
+        shards.close()
     result["resumed"] = resumed
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(result, f)

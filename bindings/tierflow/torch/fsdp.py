@@ -5,6 +5,10 @@ model's DTensor parameters over their local shards as they are. This module
 holds what FSDP2's own tools do not do for a sharded model whose shards live
 in host memory:
 
+* :func:`offload` with an :class:`OffloadPolicy`: each parameter's local
+  shard homed on NVMe (by name pattern, by size) and brought into tierflow's
+  host memory, within a budget, ahead of FSDP2's all-gather and the
+  optimizer's step, in the order the first iteration used them.
 * :func:`clip_grad_norm_`: ``torch.nn.utils.clip_grad_norm_`` over DTensor
   gradients without DTensor dispatch, its one reduction on the device of the
   mesh's process group. torch's own, under ``CPUOffloadPolicy``, reduces the
@@ -14,15 +18,480 @@ in host memory:
 
 from __future__ import annotations
 
+import collections
+import fnmatch
 import math
-from typing import Iterable
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 
+from tierflow import _core, _lifetime
+from tierflow.torch import _fsdp2
 from tierflow.torch.optim.adam import _DTensor, _local
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["OffloadPolicy", "ShardOffload", "offload", "clip_grad_norm_"]
+
+_PAGE = 4096
+_MIN_HOST_MEMORY = 64 << 10
+
+
+@dataclass
+class OffloadPolicy(CPUOffloadPolicy):
+    """Where each local shard of a ``fully_shard`` model lives: a
+    ``CPUOffloadPolicy`` (give it to ``fully_shard(offload_policy=...)`` on a
+    GPU, so the shards are in host memory, and to :func:`offload` after) that
+    also homes shards on NVMe.
+
+    A shard is homed on NVMe when its parameter's name (as
+    ``model.named_parameters()`` gives it from the root) matches one of the
+    ``fnmatch`` patterns ``nvme`` and its bytes are at least
+    ``nvme_min_bytes``; every other shard stays where FSDP2 put it.
+
+    Args:
+        pin_memory: as ``CPUOffloadPolicy``'s (FSDP2 pins the host-homed
+            shards; tierflow's host memory, which the NVMe-homed ones pass
+            through, is pinned when a GPU is present).
+        nvme_dir: the directory the shard files go in (``rank<r>/`` of it
+            per rank); needed when any shard is homed on NVMe.
+        host_memory: bytes (or a size such as ``"2G"``) of tierflow's host
+            memory the NVMe-homed shards pass through: what one module's
+            shards need while they are gathered, what the optimizer steps at
+            once, and the reads ahead. None: a quarter of this rank's
+            NVMe-homed shards, at least twice the largest and 64 KiB.
+        nvme: name patterns; ``"*"`` (the default) every parameter.
+        nvme_min_bytes: the smallest shard homed on NVMe.
+        aio: the NVMe I/O engine's settings (``block_size``, ``queue_depth``,
+            ``threads``, ``submit_batch``), as a DeepSpeed config's ``aio``.
+    """
+
+    nvme_dir: str | os.PathLike | None = None
+    host_memory: int | str | None = None
+    nvme: str | Sequence[str] = "*"
+    nvme_min_bytes: int = 0
+    aio: dict[str, int] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.nvme_dir is not None and not isinstance(self.nvme_dir, (str, os.PathLike)):
+            raise ValueError(f"OffloadPolicy.nvme_dir: {self.nvme_dir!r} is not a path")
+        patterns = [self.nvme] if isinstance(self.nvme, str) else list(self.nvme)
+        if not all(isinstance(p, str) for p in patterns):
+            raise ValueError(f"OffloadPolicy.nvme: {self.nvme!r} is not a name pattern or a list of them")
+        if isinstance(self.nvme_min_bytes, bool) or not isinstance(self.nvme_min_bytes, int) \
+                or self.nvme_min_bytes < 0:
+            raise ValueError(f"OffloadPolicy.nvme_min_bytes: {self.nvme_min_bytes!r} is not a byte count")
+        if isinstance(self.host_memory, str):
+            self.host_memory = _core.parse_size(self.host_memory, "OffloadPolicy.host_memory")
+        elif self.host_memory is not None and (isinstance(self.host_memory, bool)
+                                               or not isinstance(self.host_memory, int)
+                                               or self.host_memory < _MIN_HOST_MEMORY):
+            raise ValueError(f"OffloadPolicy.host_memory: {self.host_memory!r} is not a byte count of at least "
+                             f"{_MIN_HOST_MEMORY}")
+        if self.aio is not None and not isinstance(self.aio, dict):
+            raise ValueError(f"OffloadPolicy.aio: {self.aio!r} is not a dict")
+
+    def on_nvme(self, name: str, nbytes: int) -> bool:
+        """Whether the shard of parameter ``name``, ``nbytes`` long, is homed on NVMe."""
+        patterns = [self.nvme] if isinstance(self.nvme, str) else self.nvme
+        return nbytes >= self.nvme_min_bytes and any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _pages(n: int) -> int:
+    return max(_PAGE, -(-n // _PAGE) * _PAGE)
+
+
+def _room(shard: _fsdp2.Shard) -> int:
+    """The bytes of storage the shard's views need: its offset in it and its own."""
+    data = shard.data
+    return data.storage_offset() * data.element_size() + shard.nbytes
+
+
+def _storage_of(lease: Any) -> torch.UntypedStorage:
+    """The lease's bytes (host memory of the store) as a torch storage, no copy."""
+    return torch.from_dlpack(lease.wait()).untyped_storage()
+
+
+class _Homed:
+    """One NVMe-homed shard: its block, the lease its views use now (None:
+    hollow), and whether they use ordinary memory (after :meth:`materialize`)."""
+
+    __slots__ = ("shard", "block", "lease", "materialized")
+
+    def __init__(self, shard: _fsdp2.Shard, block: int) -> None:
+        self.shard, self.block = shard, block
+        self.lease: Any = None
+        self.materialized = False
+
+    @property
+    def room(self) -> int:
+        return _room(self.shard)
+
+
+class ShardOffload:
+    """What :func:`offload` set up on a ``fully_shard`` model: the shards it
+    homes on NVMe, the store and prefetcher that bring them in, and the hooks.
+
+    Between their uses, an NVMe-homed shard's parameter keeps its shape over
+    a storage of no bytes, as FSDP2 leaves its unsharded parameters outside
+    forward and backward: read its values through ``model.state_dict()`` (or
+    :meth:`materialize`), not through the parameter object. ``state_dict()``
+    and ``load_state_dict()`` (``torch.distributed.checkpoint``'s too) bring
+    the shards they cover into ordinary host memory, where they stay until the
+    next forward writes them home. :meth:`close` (or the end of the
+    interpreter) brings every shard back into ordinary memory for good and
+    removes the files."""
+
+    def __init__(self, model: nn.Module, policy: OffloadPolicy) -> None:
+        _fsdp2.check()
+        if not isinstance(policy, OffloadPolicy):
+            raise ValueError(f"tierflow.torch.fsdp.offload: policy is a {type(policy).__name__}, not an OffloadPolicy")
+        self.model, self.policy = model, policy
+        shards = _fsdp2.shards(model)
+        on_cuda = [s.name for s in shards if s.data.device.type != "cpu"]
+        if on_cuda:
+            raise ValueError(f"tierflow.torch.fsdp.offload: '{on_cuda[0]}''s shard is on {shards[0].data.device}; "
+                             "give fully_shard offload_policy=OffloadPolicy(...) (or CPUOffloadPolicy()) so the "
+                             "shards are in host memory")
+        chosen = [s for s in shards if policy.on_nvme(s.name, s.nbytes)]
+        self.host_shards = [s.name for s in shards if s not in chosen]
+        self.nvme_bytes = sum(_pages(s.nbytes) for s in chosen)
+        # FSDP2 gathers a group's parameters together: its shards are held at once.
+        per_group: dict[int, int] = collections.defaultdict(int)
+        parts: dict[int, list[str]] = {}
+        for s in chosen:
+            per_group[id(s.group)] += _pages(_room(s))
+            here = s.name.split(".")[:-1]
+            common = parts.setdefault(id(s.group), here)
+            while common[: len(here)] != here[: len(common)]:
+                common.pop()
+            del common[len(here):]
+        names = {key: ".".join(common) or "the root" for key, common in parts.items()}
+        largest = max(per_group, key=per_group.get, default=None)
+        group_bytes = per_group[largest] if largest is not None else 0
+        budget = policy.host_memory
+        if budget is None:
+            budget = max(_MIN_HOST_MEMORY, 2 * group_bytes, _pages(self.nvme_bytes // 4))
+        self.host_memory = int(budget)
+        if chosen and self.host_memory < group_bytes:
+            raise ValueError(
+                f"OffloadPolicy.host_memory: {self.host_memory} bytes cannot hold the NVMe-homed shards of "
+                f"'{names[largest]}' ({group_bytes} bytes), which FSDP2 gathers together; give at least "
+                f"{2 * group_bytes} (one module's gathered, the next one's read ahead)")
+        self._homed: list[_Homed] = []
+        self._by_group: dict[int, list[_Homed]] = collections.defaultdict(list)
+        self._by_param: dict[int, _Homed] = {}
+        self._undo: list[Any] = []
+        self._held: list[_Homed] = []  # leased for an all-gather under way
+        self._retiring: collections.deque = collections.deque()  # (CUDA event, [homed]) on a GPU
+        self._stashed: list[tuple[Tensor, Tensor]] = []  # gradients set aside while a step runs
+        self._stepping: list[_Homed] = []  # leased for a step under way
+        self._in_iteration = False
+        self.closed = False
+        self.store = self.scheduler = None
+        self.nvme_dir: str | None = None
+        if not chosen:
+            return
+        if policy.nvme_dir is None:
+            raise ValueError("OffloadPolicy.nvme_dir: shards homed on NVMe need a directory")
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.nvme_dir = os.path.join(os.fspath(policy.nvme_dir), "tierflow-fsdp", f"rank{rank}")
+        os.makedirs(self.nvme_dir, mode=0o700, exist_ok=True)
+        self.store = _core.Store(self.host_memory, nvme_dir=self.nvme_dir, nvme_budget=1 << 60,
+                                 single_holder=True, aio=policy.aio,
+                                 file_size=min(256 << 20, _pages(self.nvme_bytes)))
+        _lifetime.track(self)
+        # Half the budget reads ahead; the rest holds what a gather or a step uses now.
+        self.scheduler = _core.PrefetchScheduler(self.store, budget_share=0.5)
+        for s in chosen:
+            homed = _Homed(s, 0)
+            homed.block = self.store.create_block(s.name, homed.room, "nvme")
+            with self.store.acquire(homed.block, "host", "overwrite") as lease:
+                raw = torch.from_dlpack(lease.wait())
+                raw[: homed.room].copy_(_bytes_of(s))
+                lease.release(dirty=True)
+            self.store.evict(homed.block, "host")
+            self._homed.append(homed)
+            self._by_group[id(s.group)].append(homed)
+            self._by_param[id(s.parameter)] = homed
+        self.store.flush()
+        for homed in self._homed:
+            _fsdp2.hollow(homed.shard)
+        groups = {id(h.shard.group): h.shard.group for h in self._homed}
+        for group in groups.values():
+            self._undo.append(_fsdp2.wrap_unshard(group, self._before_gather, self._after_gather))
+        self._undo.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True).remove)
+        modules = {id(h.shard.module): h.shard.module for h in self._homed}
+        for module in modules.values():
+            self._undo.append(module.register_state_dict_pre_hook(self._state_dict_pre_hook).remove)
+            self._undo.append(module.register_load_state_dict_pre_hook(self._load_pre_hook).remove)
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._undo.append(register_optimizer_step_pre_hook(self._step_pre_hook).remove)
+        self._undo.append(register_optimizer_step_post_hook(self._step_post_hook).remove)
+
+    # ---- the iteration ------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        if self._in_iteration:
+            self.scheduler.end_iteration()
+        self.scheduler.begin_iteration()
+        self._in_iteration = True
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._rehome()
+        self._begin()
+
+    def _lease(self, homed: _Homed, mode: str) -> None:
+        """Brings ``homed`` in (through the prefetcher, in the iteration's
+        order) and points its views at the copy."""
+        if homed.lease is not None:
+            raise RuntimeError(f"tierflow.torch.fsdp.offload: '{homed.shard.name}''s shard is leased twice")
+        if not self._in_iteration:
+            self._begin()
+        try:
+            homed.lease = self.scheduler.acquire(homed.block, "host", mode)
+        except OSError as e:
+            raise type(e)(e.errno, f"tierflow.torch.fsdp.offload: bringing '{homed.shard.name}''s shard into "
+                                   f"host memory ({self.host_memory} bytes) failed: {e.strerror or e}") from e
+        _fsdp2.point_at(homed.shard, _storage_of(homed.lease))
+
+    def _unlease(self, homed: _Homed, dirty: bool) -> None:
+        _fsdp2.hollow(homed.shard)
+        lease, homed.lease = homed.lease, None
+        self.scheduler.release(lease, dirty=dirty)
+
+    def _reap(self, wait: bool = False) -> None:
+        while self._retiring and (wait or self._retiring[0][0].query()):
+            event, held = self._retiring.popleft()
+            event.synchronize()
+            for homed in held:
+                self._unlease(homed, dirty=False)
+
+    def _before_gather(self, group: Any) -> None:
+        self._reap(wait=len(self._retiring) > 1)
+        taken = []
+        try:
+            for homed in self._by_group.get(id(group), ()):
+                if homed.lease is None and _fsdp2.reads_shard(homed.shard):
+                    self._lease(homed, "read")
+                    taken.append(homed)
+        except BaseException:
+            for homed in taken:  # the gather does not run: none of its shards stays leased
+                self._unlease(homed, dirty=False)
+            raise
+        self._held += taken
+
+    def _after_gather(self, group: Any) -> None:
+        done = [h for h in self._held if h.shard.group is group]
+        if not done:
+            return
+        self._held = [h for h in self._held if h.shard.group is not group]
+        if torch.cuda.is_available() and torch.cuda.is_initialized() and _fsdp2.device_of(group).type == "cuda":
+            # The copies to the GPU are queued behind what the current stream
+            # waits on: the shards go back once an event after them has passed.
+            event = torch.cuda.Event()
+            event.record()
+            self._retiring.append((event, done))
+            return
+        for homed in done:
+            self._unlease(homed, dirty=False)
+
+    # ---- the optimizer step ---------------------------------------------------------------------
+
+    def _steps(self, optimizer: torch.optim.Optimizer) -> list[_Homed]:
+        """The NVMe-homed shards ``optimizer`` would step now (those with a
+        gradient), but those in ordinary memory now, stepped there."""
+        out = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                homed = self._by_param.get(id(p))
+                if homed is not None and p.grad is not None and not homed.materialized:
+                    out.append(homed)
+        return out
+
+    def _step_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        homed = self._steps(optimizer)
+        if not homed:
+            return
+        if len(args) > 1 and args[1] is not None or kwargs.get("closure") is not None:
+            raise ValueError("tierflow.torch.fsdp.offload: an optimizer step with a closure cannot step "
+                             "NVMe-homed shards (the closure's gradients come after their step)")
+        self._reap(wait=True)
+        from tierflow.torch.optim import Adam, Muon
+
+        if isinstance(optimizer, (Adam, Muon)):
+            # tierflow's optimizers step the shards a budget at a time, and the
+            # step itself the rest, their gradients set aside meanwhile.
+            room, chunk, held = self.host_memory // 2, [], 0
+            try:
+                for h in homed:
+                    if chunk and held + _pages(h.room) > room:
+                        self._step_chunk(optimizer, chunk)
+                        chunk, held = [], 0
+                    self._lease(h, "write")
+                    chunk.append(h)
+                    held += _pages(h.room)
+                self._step_chunk(optimizer, chunk)
+            finally:
+                for h in chunk:  # (a chunk whose lease or step failed: its shards as they were)
+                    if h.lease is not None:
+                        self._unlease(h, dirty=False)
+            for h in homed:
+                p = h.shard.parameter
+                self._stashed.append((p, p.grad))
+                p.grad = None
+            return
+        need = sum(_pages(h.room) for h in homed)
+        if need > self.host_memory:
+            raise ValueError(
+                f"tierflow.torch.fsdp.offload: {type(optimizer).__name__} steps every parameter at once, so its "
+                f"{len(homed)} NVMe-homed shards ({need} bytes) must fit OffloadPolicy.host_memory "
+                f"({self.host_memory} bytes) together; give at least {need}, or step with "
+                "tierflow.torch.optim's optimizers, which step them a budget at a time")
+        try:
+            for h in homed:
+                self._lease(h, "write")
+                self._stepping.append(h)
+        except BaseException:
+            self._abandon(self._stepping)
+            self._stepping = []
+            raise
+
+    def _abandon(self, held: list[_Homed]) -> None:
+        """Releases ``held`` unwritten: their homes keep the values before
+        the gather or step that failed."""
+        for h in held:
+            if h.lease is not None:
+                self._unlease(h, dirty=False)
+
+    def _step_chunk(self, optimizer: Any, chunk: list[_Homed]) -> None:
+        optimizer.step_parameters([h.shard.parameter for h in chunk])
+        for h in chunk:
+            self._unlease(h, dirty=True)
+
+    def _step_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        stepping, self._stepping = self._stepping, []
+        for h in stepping:
+            self._unlease(h, dirty=True)
+        stashed, self._stashed = self._stashed, []
+        for p, grad in stashed:
+            p.grad = grad
+
+    # ---- values outside the iteration ------------------------------------------------------------
+
+    def materialize(self, modules: Iterable[nn.Module] | None = None) -> None:
+        """Brings the NVMe-homed shards of ``modules`` (None: all) into
+        ordinary host memory, where their parameters can be read and written
+        until the next forward (or step) writes them home."""
+        wanted = None if modules is None else {id(m) for m in modules}
+        for homed in self._homed:
+            if homed.materialized or homed.lease is not None:
+                continue
+            if wanted is not None and id(homed.shard.module) not in wanted:
+                continue
+            pin = homed.shard.offloaded_to_cpu and self.policy.pin_memory and torch.cuda.is_available()
+            target = torch.empty(homed.room, dtype=torch.uint8, pin_memory=pin)
+            with self.store.acquire(homed.block, "host", "read") as lease:
+                target.copy_(torch.from_dlpack(lease.wait())[: homed.room])
+            _fsdp2.point_at(homed.shard, target.untyped_storage())
+            homed.materialized = True
+
+    def _rehome(self) -> None:
+        """Writes the materialized shards home and leaves their views hollow."""
+        for homed in self._homed:
+            if not homed.materialized:
+                continue
+            with self.store.acquire(homed.block, "host", "overwrite") as lease:
+                torch.from_dlpack(lease.wait())[: homed.room].copy_(_bytes_of(homed.shard))
+                lease.release(dirty=True)
+            self.store.evict(homed.block, "host")
+            _fsdp2.hollow(homed.shard)
+            homed.materialized = False
+
+    def _state_dict_pre_hook(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        self.materialize([module])
+
+    def _load_pre_hook(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        self.materialize([module])
+
+    # ---- telemetry and the end ------------------------------------------------------------------------
+
+    def telemetry(self) -> dict[str, Any]:
+        """The store's counters (bytes moved, loads, stall time per tier and
+        link) and the prefetcher's (iterations, stalled accesses, stall
+        seconds); {} when no shard is homed on NVMe."""
+        if self.store is None:
+            return {}
+        return {"store": self.store.telemetry(), "prefetch": self.scheduler.stats}
+
+    def close(self) -> None:
+        """Brings every shard back into ordinary host memory, removes the
+        hooks, the store and its files. Idempotent."""
+        if self.closed:
+            return
+        self._reap(wait=True)
+        # What a gather or a step that raised left leased: their homes hold the last values written.
+        self._abandon(self._held + self._stepping)
+        self._held, self._stepping = [], []
+        if self.store is not None:
+            self.materialize()
+            for undo in reversed(self._undo):
+                undo()
+            self._undo.clear()
+            if self._in_iteration:
+                self.scheduler.end_iteration()
+                self._in_iteration = False
+            for homed in self._homed:
+                homed.materialized = False
+        self._release_native()
+
+    def _release_native(self) -> None:
+        self.closed = True
+        if self.store is not None:
+            store, self.store, self.scheduler = self.store, None, None
+            store.close()
+            del store  # (the last reference: its files go with it)
+            for directory in (self.nvme_dir, os.path.dirname(self.nvme_dir)):
+                try:
+                    os.rmdir(directory)
+                except OSError:  # not empty: another rank's, or the user's
+                    break
+
+
+def _bytes_of(shard: _fsdp2.Shard) -> Tensor:
+    """The shard's storage bytes its views cover, from the start of the storage."""
+    return torch.empty(0, dtype=torch.uint8).set_(shard.data.untyped_storage(), 0, (_room(shard),), (1,))
+
+
+def offload(model: nn.Module, policy: OffloadPolicy) -> ShardOffload:
+    """Homes the local shards of the ``fully_shard`` model ``model`` (the
+    root) that ``policy`` names on NVMe, and returns the :class:`ShardOffload`
+    that runs them. Call it after ``fully_shard`` and before the first
+    forward's parameters are used by anything but FSDP2 and an optimizer.
+
+    Each NVMe-homed shard is written to a file of ``policy.nvme_dir`` and
+    its memory freed. Before FSDP2 all-gathers a module's parameters, in
+    forward and in backward, their shards are read into tierflow's host
+    memory (ahead of time, in the order the first iteration used them, within
+    ``policy.host_memory``), and go back once the gather has read them; the
+    optimizer's step reads them (for writing) before it runs and writes them
+    home after. tierflow's optimizers step them a budget at a time; another
+    optimizer (``torch.optim.AdamW``) steps all parameters at once, so the
+    shards it steps must fit the budget together. The gradients stay where
+    FSDP2 puts them.
+
+    Raises ValueError for a model that is not the root ``fully_shard``
+    module, shards on a GPU (``fully_shard`` them with
+    ``offload_policy=policy`` or ``CPUOffloadPolicy()``), a bad policy value
+    or a shard larger than the budget, and RuntimeError for a torch whose
+    FSDP2 internals differ from those this was built against."""
+    return ShardOffload(model, policy)
+
 
 
 def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm_type: float = 2.0,
