@@ -27,6 +27,27 @@ STEPS, STOP = 10, 5
 ADAMW = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
 
 
+def keep_given_init_dtype() -> None:
+    """DeepSpeed 0.19.8's ``zero.Init._set_dtype`` sets, with a dtype given,
+    ``dtype or torch.float16 if fp16_supported else torch.bfloat16 if ...``:
+    by Python's precedence the given dtype is dropped wherever the accelerator
+    lacks fp16, as its CPU accelerator does on a CPU without oneDNN fp16
+    (AVX512-FP16/AMX-FP16). ZeRO-3's NVMe parameter swapper then holds bf16
+    buffers for the fp32 parameters and the first forward fails on their
+    dtypes. The given dtype is kept here, as the line means; on a CPU with
+    fp16 (and on every GPU) DeepSpeed already keeps it and this changes nothing."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Init
+
+    set_dtype = Init._set_dtype
+
+    def _set_dtype(self, ds_config, dtype):
+        set_dtype(self, ds_config, dtype)
+        if dtype is not None:
+            self.dtype = dtype
+
+    Init._set_dtype = _set_dtype
+
+
 def main() -> None:
     out, stage, kind, checkpoints = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     width = int(sys.argv[5]) if len(sys.argv) > 5 else 24
@@ -36,6 +57,7 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     import deepspeed
 
+    keep_given_init_dtype()
     served = [0]  # requests tierflow's aio_handle saw end (counted here, around its wait)
     if kind.startswith("tierflow"):
         import tierflow.deepspeed
