@@ -29,25 +29,11 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
 
-HYPER = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
-
-
-def build(layers: int, width: int) -> nn.Module:
-    torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-              for _ in range(layers)]
-    model = nn.Sequential(*blocks)
-    for block in model:
-        fully_shard(block)
-    fully_shard(model)
-    return model
+from fsdp2_step import HYPER, build, slowest_rank_seconds  # (this directory: the script's)
 
 
 def link_bytes(telemetry: dict, name: str) -> int:
@@ -68,19 +54,19 @@ def run(args, threads: int, on_nvme: bool) -> dict:
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(args.tokens, args.width, generator=g)
     times, before = [], None
+
+    def iteration() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
     try:
         for i in range(args.warmup + args.iterations):
             if i == args.warmup and handle is not None:
                 before = handle.telemetry()
-            dist.barrier()
-            t0 = time.perf_counter()
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            elapsed = slowest_rank_seconds(iteration)
             if i >= args.warmup:
-                times.append(elapsed.item())
+                times.append(elapsed)
         out = {"median_s": statistics.median(times), "shard_bytes": shard_bytes}
         if handle is not None:
             after = handle.telemetry()

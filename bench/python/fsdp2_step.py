@@ -67,17 +67,19 @@ def contenders(threads: int, nvme_dir: str | None, rank: int):
     }
 
 
+def slowest_rank_seconds(work) -> float:
+    """The seconds ``work()`` took on the slowest rank, timed between barriers."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    work()
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
 def time_steps(opt, steps: int, warmup: int) -> list[float]:
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.step()
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's
-        if i >= warmup:
-            times.append(elapsed.item())
-    return times
+    times = [slowest_rank_seconds(opt.step) for _ in range(warmup + steps)]
+    return times[warmup:]
 
 
 def main(argv=None) -> int:

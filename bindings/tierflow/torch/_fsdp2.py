@@ -85,6 +85,11 @@ class Shard:
         return self.data.numel() * self.data.element_size()
 
     @property
+    def room(self) -> int:
+        """The bytes of storage the views need: their offset in it and the shard's own."""
+        return self.data.storage_offset() * self.data.element_size() + self.nbytes
+
+    @property
     def offloaded_to_cpu(self) -> bool:
         return bool(self.param.offload_to_cpu)
 
@@ -141,8 +146,7 @@ def hollow(shard: Shard) -> None:
     """Leaves the shard's views their shapes over a storage of no bytes, as
     FSDP2 leaves an unsharded parameter between its uses: its old memory is
     no longer referenced by FSDP2 or the parameter."""
-    room = shard.data.storage_offset() * shard.data.element_size() + shard.nbytes
-    storage = torch.UntypedStorage(max(room, 1))
+    storage = torch.UntypedStorage(max(shard.room, 1))
     point_at(shard, storage)
     storage.resize_(0)
 

@@ -103,12 +103,6 @@ def _pages(n: int) -> int:
     return max(_PAGE, -(-n // _PAGE) * _PAGE)
 
 
-def _room(shard: _fsdp2.Shard) -> int:
-    """The bytes of storage the shard's views need: its offset in it and its own."""
-    data = shard.data
-    return data.storage_offset() * data.element_size() + shard.nbytes
-
-
 def _storage_of(lease: Any) -> torch.UntypedStorage:
     """The lease's bytes (host memory of the store) as a torch storage, no copy."""
     return torch.from_dlpack(lease.wait()).untyped_storage()
@@ -127,7 +121,7 @@ class _Homed:
 
     @property
     def room(self) -> int:
-        return _room(self.shard)
+        return self.shard.room
 
 
 class ShardOffload:
@@ -156,13 +150,12 @@ class ShardOffload:
                              "give fully_shard offload_policy=OffloadPolicy(...) (or CPUOffloadPolicy()) so the "
                              "shards are in host memory")
         chosen = [s for s in shards if policy.on_nvme(s.name, s.nbytes)]
-        self.host_shards = [s.name for s in shards if s not in chosen]
         self.nvme_bytes = sum(_pages(s.nbytes) for s in chosen)
         # FSDP2 gathers a group's parameters together: its shards are held at once.
         per_group: dict[int, int] = collections.defaultdict(int)
         parts: dict[int, list[str]] = {}
         for s in chosen:
-            per_group[id(s.group)] += _pages(_room(s))
+            per_group[id(s.group)] += _pages(s.room)
             here = s.name.split(".")[:-1]
             common = parts.setdefault(id(s.group), here)
             while common[: len(here)] != here[: len(common)]:
@@ -208,27 +201,20 @@ class ShardOffload:
         # Half the budget reads ahead; the rest holds what a gather or a step uses now.
         self.scheduler = _core.PrefetchScheduler(self.store, budget_share=0.5)
         for s in chosen:
-            homed = _Homed(s, 0)
-            homed.block = self.store.create_block(s.name, homed.room, "nvme")
-            with self.store.acquire(homed.block, "host", "overwrite") as lease:
-                raw = torch.from_dlpack(lease.wait())
-                raw[: homed.room].copy_(_bytes_of(s))
-                lease.release(dirty=True)
-            self.store.evict(homed.block, "host")
+            homed = _Homed(s, self.store.create_block(s.name, s.room, "nvme"))
+            self._write_home(homed)
             self._homed.append(homed)
             self._by_group[id(s.group)].append(homed)
             self._by_param[id(s.parameter)] = homed
         self.store.flush()
-        for homed in self._homed:
-            _fsdp2.hollow(homed.shard)
         groups = {id(h.shard.group): h.shard.group for h in self._homed}
         for group in groups.values():
             self._undo.append(_fsdp2.wrap_unshard(group, self._before_gather, self._after_gather))
         self._undo.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True).remove)
         modules = {id(h.shard.module): h.shard.module for h in self._homed}
         for module in modules.values():
-            self._undo.append(module.register_state_dict_pre_hook(self._state_dict_pre_hook).remove)
-            self._undo.append(module.register_load_state_dict_pre_hook(self._load_pre_hook).remove)
+            self._undo.append(module.register_state_dict_pre_hook(self._materialize_hook).remove)
+            self._undo.append(module.register_load_state_dict_pre_hook(self._materialize_hook).remove)
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._undo.append(register_optimizer_step_pre_hook(self._step_pre_hook).remove)
@@ -281,8 +267,7 @@ class ShardOffload:
                     self._lease(homed, "read")
                     taken.append(homed)
         except BaseException:
-            for homed in taken:  # the gather does not run: none of its shards stays leased
-                self._unlease(homed, dirty=False)
+            self._abandon(taken)  # the gather does not run: none of its shards stays leased
             raise
         self._held += taken
 
@@ -338,9 +323,7 @@ class ShardOffload:
                     held += _pages(h.room)
                 self._step_chunk(optimizer, chunk)
             finally:
-                for h in chunk:  # (a chunk whose lease or step failed: its shards as they were)
-                    if h.lease is not None:
-                        self._unlease(h, dirty=False)
+                self._abandon(chunk)  # (a chunk whose lease or step failed: its shards as they were)
             for h in homed:
                 p = h.shard.parameter
                 self._stashed.append((p, p.grad))
@@ -387,7 +370,7 @@ class ShardOffload:
     def materialize(self, modules: Iterable[nn.Module] | None = None) -> None:
         """Brings the NVMe-homed shards of ``modules`` (None: all) into
         ordinary host memory, where their parameters can be read and written
-        until the next forward (or step) writes them home."""
+        (and are stepped) until the next forward writes them home."""
         wanted = None if modules is None else {id(m) for m in modules}
         for homed in self._homed:
             if homed.materialized or homed.lease is not None:
@@ -401,22 +384,24 @@ class ShardOffload:
             _fsdp2.point_at(homed.shard, target.untyped_storage())
             homed.materialized = True
 
+    def _write_home(self, homed: _Homed) -> None:
+        """Writes the values the shard's views hold into its block, on its
+        way to NVMe, and leaves the views hollow."""
+        with self.store.acquire(homed.block, "host", "overwrite") as lease:
+            torch.from_dlpack(lease.wait())[: homed.room].copy_(_bytes_of(homed.shard))
+            lease.release(dirty=True)
+        self.store.evict(homed.block, "host")
+        _fsdp2.hollow(homed.shard)
+
     def _rehome(self) -> None:
-        """Writes the materialized shards home and leaves their views hollow."""
+        """Writes the materialized shards home."""
         for homed in self._homed:
-            if not homed.materialized:
-                continue
-            with self.store.acquire(homed.block, "host", "overwrite") as lease:
-                torch.from_dlpack(lease.wait())[: homed.room].copy_(_bytes_of(homed.shard))
-                lease.release(dirty=True)
-            self.store.evict(homed.block, "host")
-            _fsdp2.hollow(homed.shard)
-            homed.materialized = False
+            if homed.materialized:
+                self._write_home(homed)
+                homed.materialized = False
 
-    def _state_dict_pre_hook(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
-        self.materialize([module])
-
-    def _load_pre_hook(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    def _materialize_hook(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        """state_dict's and load_state_dict's pre-hook: ``module``'s shards in ordinary memory."""
         self.materialize([module])
 
     # ---- telemetry and the end ------------------------------------------------------------------------
@@ -465,7 +450,7 @@ class ShardOffload:
 
 def _bytes_of(shard: _fsdp2.Shard) -> Tensor:
     """The shard's storage bytes its views cover, from the start of the storage."""
-    return torch.empty(0, dtype=torch.uint8).set_(shard.data.untyped_storage(), 0, (_room(shard),), (1,))
+    return torch.empty(0, dtype=torch.uint8).set_(shard.data.untyped_storage(), 0, (shard.room,), (1,))
 
 
 def offload(model: nn.Module, policy: OffloadPolicy) -> ShardOffload:
