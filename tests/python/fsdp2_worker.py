@@ -8,8 +8,11 @@ and run to the end. ``CASE``: "plain" (fully_shard as it is),
 driver), "nvme" (tierflow's optimizer state on NVMe files in NVME/rank<r>),
 "offload" (as "nvme", and every parameter shard homed on NVMe by
 ``tierflow.torch.fsdp.offload`` within 64 KiB of host memory, so the step
-runs a few shards at a time) or "offload_torch" (the shards so homed within
-1 MiB, stepped by torch.optim.AdamW, at once);
+runs a few shards at a time), "offload_torch" (the shards so homed within
+1 MiB, stepped by torch.optim.AdamW, at once) or "offload_grads" (as
+"offload", their gradients homed on NVMe too, and every step of every run
+two micro-batches accumulated, torch's own clip_grad_norm_, and
+zero_grad(set_to_none=False) up to step 20);
 "muon" and "muon_nvme" run :func:`muon_main` instead, "clip" and
 "clip_cpu_offload" :func:`clip_main`.
 Writes OUT.rank<r>: the losses of each run (each step's global mean) and
@@ -61,14 +64,17 @@ def homed(m: nn.Module, case: str, nvme: str):
     """tierflow.torch.fsdp.offload's handle on ``m`` for the "offload" cases (None for the others)."""
     if not case.startswith("offload"):
         return None
-    budget = 64 << 10 if case == "offload" else 1 << 20
-    return tierflow.torch.fsdp.offload(m, tierflow.torch.fsdp.OffloadPolicy(nvme_dir=nvme, host_memory=budget))
+    budget = 1 << 20 if case == "offload_torch" else 64 << 10
+    gradients = "nvme" if case == "offload_grads" else "host"
+    return tierflow.torch.fsdp.offload(m, tierflow.torch.fsdp.OffloadPolicy(nvme_dir=nvme, host_memory=budget,
+                                                                             gradients=gradients))
 
 
 def optimizer(kind: str, m: nn.Module, case: str, nvme: str, rank: int):
     if kind == "torch" or case == "offload_torch":
         return torch.optim.AdamW(m.parameters(), **HYPER)
-    where = {"offload": "nvme", "nvme_dir": os.path.join(nvme, f"rank{rank}")} if case in ("nvme", "offload") else {}
+    where = {"offload": "nvme", "nvme_dir": os.path.join(nvme, f"rank{rank}")} \
+        if case in ("nvme", "offload", "offload_grads") else {}
     if where:
         os.makedirs(where["nvme_dir"], exist_ok=True)
     return tierflow.torch.optim.AdamW(m.parameters(), **HYPER, **where)
@@ -79,14 +85,24 @@ def batches(rank: int):
     return [(torch.randn(8, 24, generator=g), torch.randn(8, 5, generator=g)) for _ in range(STEPS)]
 
 
-def train(m, opt, data, steps, world):
+def train(m, opt, data, steps, world, case):
     losses = []
     for step in steps:
         x, y = data[step]
-        loss = torch.nn.functional.mse_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        if case == "offload_grads":
+            loss = 0
+            for half in (slice(0, 4), slice(4, 8)):
+                part = torch.nn.functional.mse_loss(m(x[half]), y[half]) / 2
+                part.backward()
+                loss = loss + part.detach()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad(set_to_none=step >= 20)
+        else:
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
@@ -103,13 +119,22 @@ def main() -> None:
         m = model(case)
         shards = homed(m, case, nvme) if kind == "tierflow" else None
         opt = optimizer(kind, m, case, nvme, rank)
-        result[kind] = train(m, opt, data, range(STEPS), world)
+        result[kind] = train(m, opt, data, range(STEPS), world, case)
+        # Read as a user would: every parameter whole (the homed shards read from NVMe).
+        result[f"{kind}_sums"] = [p.full_tensor().double().sum().item() for p in m.parameters()]
+        if case == "offload_grads":  # one more backward: its gradients homed, then close() brings them back
+            x, y = data[0]
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            result[f"{kind}_grads"] = [type(p.grad._local_tensor).__name__ for p in m.parameters()]
         if shards is not None:
             prefetch = shards.telemetry()["prefetch"]
             result["prefetch"] = {"iterations": prefetch["iterations"], "rerecords": prefetch["rerecords"]}
             host = next(t for t in shards.telemetry()["store"]["tiers"] if t["kind"] == "host")
             result["host"] = [host["high_water_bytes"], host["budget_bytes"]]
             shards.close()
+        if case == "offload_grads":
+            result[f"{kind}_grads_closed"] = [type(p.grad._local_tensor).__name__ for p in m.parameters()]
+            result[f"{kind}_grad_sums"] = [p.grad.full_tensor().double().sum().item() for p in m.parameters()]
         if kind == "tierflow":
             sd = opt.state_dict()
             first = next(iter(sd["state"].values()))
@@ -124,7 +149,7 @@ def main() -> None:
     m = model(case)
     shards = homed(m, case, nvme)
     opt = optimizer("tierflow", m, case, nvme, rank)
-    resumed = train(m, opt, data, range(STOP), world)
+    resumed = train(m, opt, data, range(STOP), world, case)
     model_sd, optim_sd = get_state_dict(m, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(nvme, "dcp"))
     if hasattr(opt, "close"):
@@ -141,7 +166,7 @@ def main() -> None:
     loaded = {"model": model_sd, "optim": optim_sd}
     dcp.load(loaded, checkpoint_id=os.path.join(nvme, "dcp"))
     set_state_dict(m, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-    resumed += train(m, opt, data, range(STOP, STEPS), world)
+    resumed += train(m, opt, data, range(STOP, STEPS), world, case)
     if hasattr(opt, "close"):
         opt.close()
     if shards is not None:

@@ -40,7 +40,7 @@ def test_fully_shard_with_tierflow_adamw_trains_as_with_torch_adamw_and_resumes_
 
 
 
-@pytest.mark.parametrize("case", ["offload", "offload_torch"])
+@pytest.mark.parametrize("case", ["offload", "offload_torch", "offload_grads"])
 def test_shards_homed_on_nvme_train_as_shards_in_memory_and_resume_through_dcp(tmp_path, case):
     """Every parameter shard homed on NVMe by tierflow.torch.fsdp.offload and
     brought back, ahead of each all-gather and step, through a host budget
@@ -49,11 +49,17 @@ def test_shards_homed_on_nvme_train_as_shards_in_memory_and_resume_through_dcp(t
     its state on NVMe too, stepping the shards 32 KiB at a time (measured
     1.8e-7 relative, the kernel's rounding; bound 1e-6); ``offload_torch``:
     torch.optim.AdamW over the same shards, all leased at once (measured:
-    identical). The store never held more than its budget, the first
-    iteration's order held for every later one (no re-recording), a resume
+    identical); ``offload_grads``: as ``offload``, the gradients homed on
+    NVMe too, two micro-batches accumulated into them each step (FSDP2's
+    ``+=`` on a homed gradient), torch's own clip_grad_norm_ reading and
+    scaling them and zero_grad(set_to_none=False) zeroing them in their home
+    (measured 1.4e-7). The store never held more than its budget, an
+    iteration (every micro-batch to the step) kept the first one's order
+    (no re-recording but where zero_grad changes), the parameters read whole
+    after training (``full_tensor()`` of a homed shard) are torch's, a resume
     through torch.distributed.checkpoint at step 15 (model.state_dict()
     reading the homed shards, load_state_dict writing them) is the run that
-    never stopped, and close() leaves no file."""
+    never stopped, and close() leaves no file and the gradients in memory."""
     import fsdp2_worker as worker
 
     for r in _launch(tmp_path, case):
@@ -62,10 +68,19 @@ def test_shards_homed_on_nvme_train_as_shards_in_memory_and_resume_through_dcp(t
             assert r["tierflow"] == r["torch"]
         assert r["resumed"] == r["tierflow"]
         high_water, budget = r["host"]
-        assert 0 < high_water <= budget == (64 << 10 if case == "offload" else 1 << 20)
-        assert r["prefetch"] == {"iterations": worker.STEPS - 1, "rerecords": 0}
+        assert 0 < high_water <= budget == (1 << 20 if case == "offload_torch" else 64 << 10)
+        if case == "offload_grads":  # an iteration: both micro-batches and the step (re-recorded where the
+            # gradients first exist, zero_grad changes, and the last, which has no step)
+            assert r["prefetch"]["iterations"] == worker.STEPS and r["prefetch"]["rerecords"] <= 4
+        else:
+            assert r["prefetch"] == {"iterations": worker.STEPS - 1, "rerecords": 0}
+        assert r["tierflow_sums"] == pytest.approx(r["torch_sums"], rel=1e-5, abs=1e-6)
+        if case == "offload_grads":  # a backward's gradients homed; close() brings them back
+            n = len(r["tierflow_sums"])
+            assert r["tierflow_grads"] == ["HomedTensor"] * n and r["tierflow_grads_closed"] == ["Tensor"] * n
+            assert r["tierflow_grad_sums"] == pytest.approx(r["torch_grad_sums"], rel=1e-4, abs=1e-6)
     assert not os.path.exists(tmp_path / "tierflow-fsdp")
-    if case == "offload":
+    if case != "offload_torch":
         assert os.listdir(tmp_path / "rank0") == [] and os.listdir(tmp_path / "rank1") == []
 
 

@@ -24,7 +24,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Shard", "check", "shards", "wrap_unshard", "hollow", "point_at", "gathers_now", "reads_shard", "device_of"]
+__all__ = ["Shard", "check", "shards", "wrap_unshard", "wrap_post_backward", "hollow", "point_at", "gathers_now",
+           "reads_shard", "in_backward", "device_of", "grad_offload_event", "set_local"]
 
 
 def _internals() -> tuple[Any, Any, Any]:
@@ -48,7 +49,7 @@ def check() -> None:
     except ImportError as e:
         raise RuntimeError(f"{where} lacks {e.name or e} (checked against torch 2.15)") from None
     missing = [f"{owner.__name__}.{name}" for owner, names in (
-        (group, ("unshard", "wait_for_unshard", "lazy_init", "is_unsharded")),
+        (group, ("unshard", "wait_for_unshard", "post_backward", "lazy_init", "is_unsharded")),
         (fsdp_param, ("all_gather_inputs", "reset_sharded_param", "_sharded_local_tensor")),
         (training_state, ("PRE_BACKWARD", "FORWARD"))) for name in names if not hasattr(owner, name)]
     if missing:
@@ -65,6 +66,7 @@ class Shard:
     param: Any  # the FSDPParam
     group: Any  # its FSDPParamGroup
     module: nn.Module  # the module the parameter is registered on
+    real: Tensor  # the local tensor FSDP2 made: a view of ``data``, wherever that points
 
     @property
     def data(self) -> Tensor:
@@ -73,7 +75,8 @@ class Shard:
 
     @property
     def local(self) -> Tensor:
-        """The sharded parameter's local tensor (a view of ``data``)."""
+        """The sharded parameter's local tensor now: ``real``, or what
+        :func:`hollow` left in its place."""
         return self.param.sharded_param._local_tensor
 
     @property
@@ -95,7 +98,8 @@ class Shard:
 
 
 _GROUP_FIELDS = ("fsdp_params", "device", "_all_gather_result", "_training_state", "unshard_in_backward")
-_PARAM_FIELDS = ("_sharded_param_data", "sharded_param", "sharded_state", "offload_to_cpu", "_module_info", "_param_fqn")
+_PARAM_FIELDS = ("_sharded_param_data", "sharded_param", "sharded_state", "offload_to_cpu", "_module_info", "_param_fqn",
+                 "grad_offload_event")
 
 
 def _check_instance(obj: Any, fields: tuple[str, ...]) -> None:
@@ -130,25 +134,38 @@ def shards(model: nn.Module) -> list[Shard]:
             _check_instance(group, _GROUP_FIELDS)
             for p in group.fsdp_params:
                 _check_instance(p, _PARAM_FIELDS)
-                out.append(Shard(p._param_fqn or p._module_info.param_name, p, group, p._module_info.module))
+                out.append(Shard(p._param_fqn or p._module_info.param_name, p, group, p._module_info.module,
+                                 p.sharded_param._local_tensor))
     return out
 
 
+def set_local(dtensor: Tensor, local: Tensor) -> None:
+    """Makes ``local`` the DTensor's local tensor (its shape and dtype)."""
+    dtensor._local_tensor = local
+
+
 def point_at(shard: Shard, storage: torch.UntypedStorage) -> None:
-    """Makes the shard's two views use ``storage`` (at least ``nbytes``),
-    their shapes and offsets as they are."""
+    """Makes the shard's two views (``data`` and ``real``) use ``storage``
+    (at least ``room`` bytes), their shapes and offsets as they are, and
+    ``real`` the parameter's local tensor again."""
     with torch.no_grad():
-        for view in (shard.data, shard.local):
+        for view in (shard.data, shard.real):
             view.set_(storage, view.storage_offset(), view.size(), view.stride())
+    set_local(shard.parameter, shard.real)
 
 
-def hollow(shard: Shard) -> None:
+def hollow(shard: Shard, stand_in: Tensor) -> None:
     """Leaves the shard's views their shapes over a storage of no bytes, as
-    FSDP2 leaves an unsharded parameter between its uses: its old memory is
-    no longer referenced by FSDP2 or the parameter."""
+    FSDP2 leaves an unsharded parameter between its uses (its old memory no
+    longer referenced by FSDP2 or the parameter), and ``stand_in`` (of the
+    local tensor's shape and dtype) as the parameter's local tensor in the
+    meantime: what anything but an all-gather reads of it."""
     storage = torch.UntypedStorage(max(shard.room, 1))
-    point_at(shard, storage)
+    with torch.no_grad():
+        for view in (shard.data, shard.real):
+            view.set_(storage, view.storage_offset(), view.size(), view.stride())
     storage.resize_(0)
+    set_local(shard.parameter, stand_in)
 
 
 def gathers_now(group: Any) -> bool:
@@ -160,12 +177,24 @@ def gathers_now(group: Any) -> bool:
     return group.unshard_in_backward or group._training_state != training_state.PRE_BACKWARD
 
 
+def in_backward(group: Any) -> bool:
+    """Whether ``group`` is gathering for backward."""
+    _, _, training_state = _internals()
+    return group._training_state == training_state.PRE_BACKWARD
+
+
 def reads_shard(shard: Shard) -> bool:
     """Whether the shard's all-gather reads its sharded data (not the
     smaller post-forward copy ``reshard_after_forward=<int>`` keeps)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState  # noqa: PLC0415
 
     return shard.param.sharded_state == ShardedState.SHARDED
+
+
+def grad_offload_event(shard: Shard) -> Any:
+    """The event after which the gradient FSDP2 copies to the host for the
+    shard (a non-blocking copy from the GPU) is there; None when it is now."""
+    return shard.param.grad_offload_event
 
 
 def device_of(group: Any) -> torch.device:
@@ -198,5 +227,25 @@ def wrap_unshard(group: Any, before: Callable[[Any], None], after: Callable[[Any
     def undo() -> None:
         group.__dict__.pop("unshard", None)
         group.__dict__.pop("wait_for_unshard", None)
+
+    return undo
+
+
+def wrap_post_backward(group: Any, after: Callable[[Any], None]) -> Callable[[], None]:
+    """Wraps ``group``'s ``post_backward`` (where FSDP2 reduce-scatters the
+    group's gradients and assigns or accumulates its shards' ``.grad``) on the
+    instance: ``after(group)`` runs once it has returned. Returns the
+    function that undoes it."""
+    post_backward = group.post_backward
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = post_backward(*args, **kwargs)
+        after(group)
+        return out
+
+    group.post_backward = wrapped
+
+    def undo() -> None:
+        group.__dict__.pop("post_backward", None)
 
     return undo

@@ -19,6 +19,7 @@ in host memory:
 from __future__ import annotations
 
 import collections
+import contextlib
 import fnmatch
 import math
 import os
@@ -31,6 +32,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 from tierflow import _core, _lifetime
 from tierflow.torch import _fsdp2
+from tierflow.torch._homed import Home, HomedTensor, Layout
 from tierflow.torch.optim.adam import _DTensor, _local
 
 __all__ = ["OffloadPolicy", "ShardOffload", "offload", "clip_grad_norm_"]
@@ -64,6 +66,11 @@ class OffloadPolicy(CPUOffloadPolicy):
             NVMe-homed shards, at least twice the largest and 64 KiB.
         nvme: name patterns; ``"*"`` (the default) every parameter.
         nvme_min_bytes: the smallest shard homed on NVMe.
+        gradients: where the gradients of the NVMe-homed shards live between
+            backward and the optimizer step: ``"host"`` (the default: where
+            FSDP2 puts them, pinned host memory on a GPU) or ``"nvme"``
+            (written to NVMe as each module's are reduced, read back for the
+            step a budget at a time, as the shards).
         aio: the NVMe I/O engine's settings (``block_size``, ``queue_depth``,
             ``threads``, ``submit_batch``), as a DeepSpeed config's ``aio``.
     """
@@ -72,6 +79,7 @@ class OffloadPolicy(CPUOffloadPolicy):
     host_memory: int | str | None = None
     nvme: str | Sequence[str] = "*"
     nvme_min_bytes: int = 0
+    gradients: str = "host"
     aio: dict[str, int] | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -90,6 +98,8 @@ class OffloadPolicy(CPUOffloadPolicy):
                                                or self.host_memory < _MIN_HOST_MEMORY):
             raise ValueError(f"OffloadPolicy.host_memory: {self.host_memory!r} is not a byte count of at least "
                              f"{_MIN_HOST_MEMORY}")
+        if self.gradients not in ("host", "nvme"):
+            raise ValueError(f"OffloadPolicy.gradients: {self.gradients!r} is not 'host' or 'nvme'")
         if self.aio is not None and not isinstance(self.aio, dict):
             raise ValueError(f"OffloadPolicy.aio: {self.aio!r} is not a dict")
 
@@ -110,14 +120,20 @@ def _storage_of(lease: Any) -> torch.UntypedStorage:
 
 class _Homed:
     """One NVMe-homed shard: its block, the lease its views use now (None:
-    hollow), and whether they use ordinary memory (after :meth:`materialize`)."""
+    hollow, ``away`` standing in for its local tensor), whether they use
+    ordinary memory (after :meth:`materialize`), and its gradient's block
+    once one was homed (under ``gradients="nvme"``)."""
 
-    __slots__ = ("shard", "block", "lease", "materialized")
+    __slots__ = ("shard", "block", "lease", "materialized", "away", "grad_block", "grad_away", "grad_lease")
 
     def __init__(self, shard: _fsdp2.Shard, block: int) -> None:
         self.shard, self.block = shard, block
         self.lease: Any = None
         self.materialized = False
+        self.away: HomedTensor | None = None
+        self.grad_block: int | None = None
+        self.grad_away: HomedTensor | None = None
+        self.grad_lease: Any = None
 
     @property
     def room(self) -> int:
@@ -173,6 +189,12 @@ class ShardOffload:
                 f"OffloadPolicy.host_memory: {self.host_memory} bytes cannot hold the NVMe-homed shards of "
                 f"'{names[largest]}' ({group_bytes} bytes), which FSDP2 gathers together; give at least "
                 f"{2 * group_bytes} (one module's gathered, the next one's read ahead)")
+        if chosen and policy.gradients == "nvme":
+            pair = max(chosen, key=lambda s: _pages(s.room) + _pages(s.nbytes))
+            if self.host_memory < _pages(pair.room) + _pages(pair.nbytes):
+                raise ValueError(f"OffloadPolicy.host_memory: {self.host_memory} bytes cannot hold '{pair.name}''s "
+                                 f"shard and its gradient ({_pages(pair.room) + _pages(pair.nbytes)} bytes), which "
+                                 "the optimizer step reads together")
         self._homed: list[_Homed] = []
         self._by_group: dict[int, list[_Homed]] = collections.defaultdict(list)
         self._by_param: dict[int, _Homed] = {}
@@ -181,7 +203,12 @@ class ShardOffload:
         self._retiring: collections.deque = collections.deque()  # (CUDA event, [homed]) on a GPU
         self._stashed: list[tuple[Tensor, Tensor]] = []  # gradients set aside while a step runs
         self._stepping: list[_Homed] = []  # leased for a step under way
+        self._outgoing: collections.deque = collections.deque()  # (event, homed): gradients still being copied
         self._in_iteration = False
+        # An iteration runs from a forward to the optimizer step (every
+        # micro-batch of an accumulation), or to the next forward when no
+        # backward came between (evaluation).
+        self._stepped = self._in_backward = False
         self.closed = False
         self.store = self.scheduler = None
         self.nvme_dir: str | None = None
@@ -202,6 +229,8 @@ class ShardOffload:
         self.scheduler = _core.PrefetchScheduler(self.store, budget_share=0.5)
         for s in chosen:
             homed = _Homed(s, self.store.create_block(s.name, s.room, "nvme"))
+            homed.away = HomedTensor(Home(f"'{s.name}''s shard (homed on NVMe by tierflow.torch.fsdp.offload)",
+                                          Layout.of(s.real), self._opener(homed, grad=False)))
             self._write_home(homed)
             self._homed.append(homed)
             self._by_group[id(s.group)].append(homed)
@@ -210,6 +239,8 @@ class ShardOffload:
         groups = {id(h.shard.group): h.shard.group for h in self._homed}
         for group in groups.values():
             self._undo.append(_fsdp2.wrap_unshard(group, self._before_gather, self._after_gather))
+            if policy.gradients == "nvme":
+                self._undo.append(_fsdp2.wrap_post_backward(group, self._after_reduce))
         self._undo.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True).remove)
         modules = {id(h.shard.module): h.shard.module for h in self._homed}
         for module in modules.values():
@@ -229,8 +260,51 @@ class ShardOffload:
         self._in_iteration = True
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._send_grads(wait=True)
         self._rehome()
-        self._begin()
+        if self._stepped or not self._in_backward or not self._in_iteration:
+            self._begin()
+        self._stepped = self._in_backward = False
+
+    def _acquire(self, block: int, mode: str, what: str) -> Any:
+        """A granted lease of ``block``'s host copy: through the prefetcher
+        (in the iteration's order) once an iteration has begun."""
+        if self.closed:
+            raise RuntimeError(f"tierflow.torch.fsdp.offload: {what} was homed on NVMe by an offload since closed")
+        try:
+            if self._in_iteration:
+                return self.scheduler.acquire(block, "host", mode)
+            lease = self.store.acquire(block, "host", mode)
+            lease.wait()
+            return lease
+        except OSError as e:
+            raise type(e)(e.errno, f"tierflow.torch.fsdp.offload: bringing {what} into host memory "
+                                   f"({self.host_memory} bytes) failed: {e.strerror or e}") from e
+
+    @contextlib.contextmanager
+    def _open(self, block: int, layout: Layout, mode: str, what: str):
+        """A tensor of ``layout`` over a lease of ``block`` for the ``with``
+        block, the lease released dirty when written and left cleanly (and a
+        copy written but left by an exception dropped: the home keeps what it
+        had)."""
+        lease = self._acquire(block, mode, what)
+        written = mode != "read"
+        clean = False
+        try:
+            yield layout.over(_storage_of(lease))
+            clean = True
+        finally:
+            lease.release(dirty=written and clean)
+            if written:
+                self.store.evict(block, "host")
+
+    def _opener(self, homed: _Homed, grad: bool) -> Any:
+        """The ``open`` of a HomedTensor standing in for ``homed``'s shard or gradient."""
+        def open_(write: bool):
+            block, away = (homed.grad_block, homed.grad_away) if grad else (homed.block, homed.away)
+            what = f"'{homed.shard.name}''s {'gradient' if grad else 'shard'}"
+            return self._open(block, away._home.layout, "write" if write else "read", what)
+        return open_
 
     def _lease(self, homed: _Homed, mode: str) -> None:
         """Brings ``homed`` in (through the prefetcher, in the iteration's
@@ -239,17 +313,79 @@ class ShardOffload:
             raise RuntimeError(f"tierflow.torch.fsdp.offload: '{homed.shard.name}''s shard is leased twice")
         if not self._in_iteration:
             self._begin()
-        try:
-            homed.lease = self.scheduler.acquire(homed.block, "host", mode)
-        except OSError as e:
-            raise type(e)(e.errno, f"tierflow.torch.fsdp.offload: bringing '{homed.shard.name}''s shard into "
-                                   f"host memory ({self.host_memory} bytes) failed: {e.strerror or e}") from e
+        homed.lease = self._acquire(homed.block, mode, f"'{homed.shard.name}''s shard")
         _fsdp2.point_at(homed.shard, _storage_of(homed.lease))
 
     def _unlease(self, homed: _Homed, dirty: bool) -> None:
-        _fsdp2.hollow(homed.shard)
+        _fsdp2.hollow(homed.shard, homed.away)
         lease, homed.lease = homed.lease, None
         self.scheduler.release(lease, dirty=dirty)
+
+    # ---- gradients on NVMe (gradients="nvme") ----------------------------------------------------------
+
+    def _after_reduce(self, group: Any) -> None:
+        """After FSDP2 reduced ``group``'s gradients: each new one (not
+        accumulated into one already home) is written home, once the copy
+        from the GPU FSDP2 may still run has finished; those are sent later."""
+        self._send_grads(wait=False)
+        for homed in self._by_group.get(id(group), ()):
+            grad = homed.shard.parameter.grad
+            if grad is None or isinstance(_local(grad), HomedTensor):
+                continue
+            event = _fsdp2.grad_offload_event(homed.shard)
+            if event is not None and not event.query():
+                self._outgoing.append((event, homed))
+            else:
+                self._send_grad(homed)
+
+    def _send_grads(self, wait: bool) -> None:
+        while self._outgoing and (wait or self._outgoing[0][0].query()):
+            event, homed = self._outgoing.popleft()
+            event.synchronize()
+            self._send_grad(homed)
+
+    def _send_grad(self, homed: _Homed) -> None:
+        """Writes ``homed``'s gradient home and leaves a HomedTensor as its local tensor."""
+        grad = homed.shard.parameter.grad
+        if grad is None or isinstance(_local(grad), HomedTensor):
+            return  # (set to None, or home, meanwhile)
+        local = _local(grad)
+        layout = Layout.contiguous(local.shape, local.dtype)
+        name = homed.shard.name
+        if homed.grad_block is None:
+            homed.grad_block = self.store.create_block(f"{name}.grad", max(layout.room, 1), "nvme")
+            homed.grad_away = HomedTensor(Home(f"'{name}''s gradient (homed on NVMe by tierflow.torch.fsdp.offload)",
+                                               layout, self._opener(homed, grad=True)))
+        elif homed.grad_away._home.layout != layout:
+            raise RuntimeError(f"tierflow.torch.fsdp.offload: '{name}''s gradient is {tuple(local.shape)} "
+                               f"{local.dtype}, not {homed.grad_away._home.layout.size} "
+                               f"{homed.grad_away._home.layout.dtype} as before")
+        with self._open(homed.grad_block, layout, "overwrite", f"'{name}''s gradient") as home:
+            home.copy_(local)
+        _fsdp2.set_local(grad, homed.grad_away)
+
+    def _lease_grad(self, homed: _Homed) -> None:
+        """Points a homed gradient's local tensor at a (read) lease of it, for a step."""
+        grad = homed.shard.parameter.grad
+        if grad is None or _local(grad) is not homed.grad_away:
+            return
+        homed.grad_lease = self._acquire(homed.grad_block, "read", f"'{homed.shard.name}''s gradient")
+        _fsdp2.set_local(grad, homed.grad_away._home.layout.over(_storage_of(homed.grad_lease)))
+
+    def _unlease_grad(self, homed: _Homed) -> None:
+        if homed.grad_lease is None:
+            return
+        grad = homed.shard.parameter.grad
+        if grad is not None:
+            _fsdp2.set_local(grad, homed.grad_away)
+        lease, homed.grad_lease = homed.grad_lease, None
+        lease.release(dirty=False)
+
+    def _need(self, homed: _Homed) -> int:
+        """The host memory a step of ``homed`` holds: its shard's, and its gradient's when that is home."""
+        grad = homed.shard.parameter.grad
+        away = grad is not None and _local(grad) is homed.grad_away
+        return _pages(homed.room) + (_pages(homed.grad_away._home.layout.room) if away else 0)
 
     def _reap(self, wait: bool = False) -> None:
         while self._retiring and (wait or self._retiring[0][0].query()):
@@ -260,6 +396,8 @@ class ShardOffload:
 
     def _before_gather(self, group: Any) -> None:
         self._reap(wait=len(self._retiring) > 1)
+        self._send_grads(wait=False)
+        self._in_backward = self._in_backward or _fsdp2.in_backward(group)
         taken = []
         try:
             for homed in self._by_group.get(id(group), ()):
@@ -307,6 +445,7 @@ class ShardOffload:
             raise ValueError("tierflow.torch.fsdp.offload: an optimizer step with a closure cannot step "
                              "NVMe-homed shards (the closure's gradients come after their step)")
         self._reap(wait=True)
+        self._send_grads(wait=True)
         from tierflow.torch.optim import Adam, Muon
 
         if isinstance(optimizer, (Adam, Muon)):
@@ -315,12 +454,14 @@ class ShardOffload:
             room, chunk, held = self.host_memory // 2, [], 0
             try:
                 for h in homed:
-                    if chunk and held + _pages(h.room) > room:
+                    need = self._need(h)
+                    if chunk and held + need > room:
                         self._step_chunk(optimizer, chunk)
                         chunk, held = [], 0
-                    self._lease(h, "write")
                     chunk.append(h)
-                    held += _pages(h.room)
+                    self._lease(h, "write")
+                    self._lease_grad(h)
+                    held += need
                 self._step_chunk(optimizer, chunk)
             finally:
                 self._abandon(chunk)  # (a chunk whose lease or step failed: its shards as they were)
@@ -329,7 +470,7 @@ class ShardOffload:
                 self._stashed.append((p, p.grad))
                 p.grad = None
             return
-        need = sum(_pages(h.room) for h in homed)
+        need = sum(self._need(h) for h in homed)
         if need > self.host_memory:
             raise ValueError(
                 f"tierflow.torch.fsdp.offload: {type(optimizer).__name__} steps every parameter at once, so its "
@@ -338,8 +479,9 @@ class ShardOffload:
                 "tierflow.torch.optim's optimizers, which step them a budget at a time")
         try:
             for h in homed:
-                self._lease(h, "write")
                 self._stepping.append(h)
+                self._lease(h, "write")
+                self._lease_grad(h)
         except BaseException:
             self._abandon(self._stepping)
             self._stepping = []
@@ -351,16 +493,20 @@ class ShardOffload:
         for h in held:
             if h.lease is not None:
                 self._unlease(h, dirty=False)
+            self._unlease_grad(h)
 
     def _step_chunk(self, optimizer: Any, chunk: list[_Homed]) -> None:
         optimizer.step_parameters([h.shard.parameter for h in chunk])
         for h in chunk:
             self._unlease(h, dirty=True)
+            self._unlease_grad(h)
 
     def _step_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._stepped = True
         stepping, self._stepping = self._stepping, []
         for h in stepping:
             self._unlease(h, dirty=True)
+            self._unlease_grad(h)
         stashed, self._stashed = self._stashed, []
         for p, grad in stashed:
             p.grad = grad
@@ -391,7 +537,7 @@ class ShardOffload:
             torch.from_dlpack(lease.wait())[: homed.room].copy_(_bytes_of(homed.shard))
             lease.release(dirty=True)
         self.store.evict(homed.block, "host")
-        _fsdp2.hollow(homed.shard)
+        _fsdp2.hollow(homed.shard, homed.away)
 
     def _rehome(self) -> None:
         """Writes the materialized shards home."""
@@ -425,6 +571,7 @@ class ShardOffload:
         self._held, self._stepping = [], []
         if self.store is not None:
             self.materialize()
+            self._bring_grads_back()
             for undo in reversed(self._undo):
                 undo()
             self._undo.clear()
@@ -434,6 +581,16 @@ class ShardOffload:
             for homed in self._homed:
                 homed.materialized = False
         self._release_native()
+
+    def _bring_grads_back(self) -> None:
+        """Every gradient homed on NVMe (or still being copied there) into ordinary host memory."""
+        for event, _ in self._outgoing:
+            event.synchronize()
+        self._outgoing.clear()
+        for homed in self._homed:
+            grad = homed.shard.parameter.grad
+            if grad is not None and homed.grad_away is not None and _local(grad) is homed.grad_away:
+                _fsdp2.set_local(grad, homed.grad_away.clone())
 
     def _release_native(self) -> None:
         self.closed = True
