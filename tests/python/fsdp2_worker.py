@@ -8,13 +8,13 @@ and run to the end. ``CASE``: "plain" (fully_shard as it is),
 driver), "nvme" (tierflow's optimizer state on NVMe files in NVME/rank<r>),
 "offload" (as "nvme", and every parameter shard homed on NVMe by
 ``tierflow.torch.fsdp.offload`` within 64 KiB of host memory, so the step
-runs a few shards at a time), "offload_torch" (the shards so homed within
-1 MiB, stepped by torch.optim.AdamW, at once) or "offload_grads" (as
+runs a few shards at a time), "offload_torch" (the shards and their
+gradients so homed within 1 MiB, stepped by torch.optim.AdamW, at once) or "offload_grads" (as
 "offload", their gradients homed on NVMe too, and every step of every run
 two micro-batches accumulated, torch's own clip_grad_norm_, and
 zero_grad(set_to_none=False) up to step 20);
 "muon" and "muon_nvme" run :func:`muon_main` instead, "clip" and
-"clip_cpu_offload" :func:`clip_main`.
+"clip_cpu_offload" :func:`clip_main`, "offload_full" :func:`full_main`.
 Writes OUT.rank<r>: the losses of each run (each step's global mean) and
 what the state_dict holds."""
 
@@ -65,7 +65,7 @@ def homed(m: nn.Module, case: str, nvme: str):
     if not case.startswith("offload"):
         return None
     budget = 1 << 20 if case == "offload_torch" else 64 << 10
-    gradients = "nvme" if case == "offload_grads" else "host"
+    gradients = "host" if case == "offload" else "nvme"
     return tierflow.torch.fsdp.offload(m, tierflow.torch.fsdp.OffloadPolicy(nvme_dir=nvme, host_memory=budget,
                                                                              gradients=gradients))
 
@@ -297,9 +297,38 @@ def clip_main(out: str, case: str) -> None:
     dist.destroy_process_group()
 
 
+def full_main(out: str, nvme: str) -> None:
+    """Every shard and gradient homed on a disk (``nvme``, a small tmpfs)
+    with room for the shards alone: the first backward's write of a gradient
+    fails. Writes what it raised, whether the model's values after close()
+    are those before, and whether close() left any file."""
+    import errno
+
+    dist.init_process_group("gloo")
+    m = model("plain")
+    shards = tierflow.torch.fsdp.offload(m, tierflow.torch.fsdp.OffloadPolicy(
+        nvme_dir=nvme, host_memory=64 << 10, gradients="nvme"))
+    before = {k: v.full_tensor().clone() for k, v in m.state_dict().items()}
+    x, y = batches(0)[0]
+    result = {}
+    try:
+        torch.nn.functional.mse_loss(m(x), y).backward()
+    except OSError as e:
+        result = {"errno": errno.errorcode.get(e.errno), "message": str(e)}
+    shards.close()
+    after = {k: v.full_tensor() for k, v in m.state_dict().items()}
+    result["intact"] = all(torch.equal(before[k], after[k]) for k in before)
+    result["files_left"] = os.path.exists(os.path.join(nvme, "tierflow-fsdp"))
+    with open(f"{out}.rank0", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     if sys.argv[3].startswith("muon"):
         muon_main(*sys.argv[1:4])
+    elif sys.argv[3] == "offload_full":
+        full_main(*sys.argv[1:3])
     elif sys.argv[3].startswith("clip"):
         clip_main(sys.argv[1], sys.argv[3])
     else:

@@ -48,8 +48,8 @@ def test_shards_homed_on_nvme_train_as_shards_in_memory_and_resume_through_dcp(t
     shards in memory and torch.optim.AdamW. ``offload``: tierflow's AdamW,
     its state on NVMe too, stepping the shards 32 KiB at a time (measured
     1.8e-7 relative, the kernel's rounding; bound 1e-6); ``offload_torch``:
-    torch.optim.AdamW over the same shards, all leased at once (measured:
-    identical); ``offload_grads``: as ``offload``, the gradients homed on
+    torch.optim.AdamW over the same shards, their gradients on NVMe too, all
+    leased at once (measured: identical); ``offload_grads``: as ``offload``, the gradients homed on
     NVMe too, two micro-batches accumulated into them each step (FSDP2's
     ``+=`` on a homed gradient), torch's own clip_grad_norm_ reading and
     scaling them and zero_grad(set_to_none=False) zeroing them in their home
@@ -84,18 +84,30 @@ def test_shards_homed_on_nvme_train_as_shards_in_memory_and_resume_through_dcp(t
         assert os.listdir(tmp_path / "rank0") == [] and os.listdir(tmp_path / "rank1") == []
 
 
-def _launch(tmp_path, case):
+def test_a_full_disk_on_a_gradients_write_is_enospc_naming_it_and_loses_nothing(tmp_path, small_tmpfs):
+    """Shards and gradients homed on a 160 KiB disk with room for the shards
+    alone (one rank): the first backward raises ENOSPC naming the gradient's
+    block and the directory; close() then gives back the model's values as
+    they were and leaves no file."""
+    disk = small_tmpfs("160k")
+    (r,) = _launch(tmp_path, "offload_full", ranks=1, nvme=disk)
+    assert r["errno"] == "ENOSPC"
+    assert ".grad" in r["message"] and str(disk) in r["message"]
+    assert r["intact"] and not r["files_left"]
+
+
+def _launch(tmp_path, case, ranks=2, nvme=None):
     sys.path.insert(0, os.path.dirname(__file__))
     import fsdp2_worker as worker
 
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(tierflow.__file__)),
                                           os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           worker.__file__, str(tmp_path / "out.json"), str(tmp_path), case],
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                           worker.__file__, str(tmp_path / "out.json"), str(nvme or tmp_path), case],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((tmp_path / f"out.json.rank{rank}").read_text()) for rank in range(2)]
+    return [json.loads((tmp_path / f"out.json.rank{rank}").read_text()) for rank in range(ranks)]
 
 
 @pytest.mark.parametrize("case", ["muon", "muon_nvme"])

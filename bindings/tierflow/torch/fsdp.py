@@ -566,9 +566,7 @@ class ShardOffload:
         if self.closed:
             return
         self._reap(wait=True)
-        # What a gather or a step that raised left leased: their homes hold the last values written.
-        self._abandon(self._held + self._stepping)
-        self._held, self._stepping = [], []
+        self._drop_leases()
         if self.store is not None:
             self.materialize()
             self._bring_grads_back()
@@ -582,6 +580,13 @@ class ShardOffload:
                 homed.materialized = False
         self._release_native()
 
+    def _drop_leases(self) -> None:
+        """Releases what a gather, a step or a gradient's read left leased (a
+        failure, or the interpreter's end mid-iteration), unwritten: their
+        homes keep the last values written."""
+        self._abandon(self._held + self._stepping + [h for h in self._homed if h.lease or h.grad_lease])
+        self._held, self._stepping = [], []
+
     def _bring_grads_back(self) -> None:
         """Every gradient homed on NVMe (or still being copied there) into ordinary host memory."""
         for event, _ in self._outgoing:
@@ -593,6 +598,8 @@ class ShardOffload:
                 _fsdp2.set_local(grad, homed.grad_away.clone())
 
     def _release_native(self) -> None:
+        if self.store is not None and not self.closed:
+            self._drop_leases()
         self.closed = True
         if self.store is not None:
             store, self.store, self.scheduler = self.store, None, None
