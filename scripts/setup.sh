@@ -7,7 +7,7 @@
 #                               with torch, the Python test tools, the training
 #                               example's plot and progress bar (matplotlib, tqdm),
 #                               the peers the tests check against (deepspeed,
-#                               transformers, accelerate) and the tierflow
+#                               transformers, accelerate, lightning) and the tierflow
 #                               package built from this tree
 #   scripts/setup.sh --bench    also the Python benchmark peers (deepspeed) in .venv/
 #                               and libaio-dev, which DeepSpeed's NVMe offload builds on
@@ -73,6 +73,11 @@ fi
 # transformers and accelerate (the Trainer's calls into a DeepSpeed engine).
 if ! "$venv_python" -c 'import deepspeed, transformers, accelerate' 2>/dev/null; then
   "$venv_python" -m pip install -q deepspeed transformers accelerate
+fi
+# Lightning, whose Trainer (FSDP2 through its ModelParallelStrategy) the
+# tierflow.torch.fsdp plugin is tested beneath.
+if ! "$venv_python" -c 'import lightning' 2>/dev/null; then
+  "$venv_python" -m pip install -q lightning
 fi
 # The package: pyproject.toml builds the CMake project (the extension target
 # only) in build/python, reused by the next install; no build isolation, so

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["Shard", "check", "shards", "wrap_unshard", "wrap_post_backward", "hollow", "point_at", "gathers_now",
-           "reads_shard", "in_backward", "device_of", "grad_offload_event", "set_local"]
+           "reads_shard", "in_backward", "device_of", "grad_offload_event", "set_local", "wrap_reset"]
 
 
 def _internals() -> tuple[Any, Any, Any]:
@@ -247,5 +247,28 @@ def wrap_post_backward(group: Any, after: Callable[[Any], None]) -> Callable[[],
 
     def undo() -> None:
         group.__dict__.pop("post_backward", None)
+
+    return undo
+
+
+def wrap_reset(shard: Shard, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
+    """Wraps the shard's ``FSDPParam.reset_sharded_param`` (FSDP2 runs it
+    after ``module.to(...)``/``_apply`` and ``load_state_dict(assign=True)``,
+    re-padding the local tensor and re-saving both views): ``before()``
+    ahead of it, ``after()`` once it has returned, with ``shard.real`` the
+    local tensor it left. Returns the function that undoes it."""
+    reset = shard.param.reset_sharded_param
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        before()
+        out = reset(*args, **kwargs)
+        shard.real = shard.param.sharded_param._local_tensor
+        after()
+        return out
+
+    shard.param.reset_sharded_param = wrapped
+
+    def undo() -> None:
+        shard.param.__dict__.pop("reset_sharded_param", None)
 
     return undo

@@ -232,6 +232,8 @@ class ShardOffload:
             homed.away = HomedTensor(Home(f"'{s.name}''s shard (homed on NVMe by tierflow.torch.fsdp.offload)",
                                           Layout.of(s.real), self._opener(homed, grad=False)))
             self._write_home(homed)
+            self._undo.append(_fsdp2.wrap_reset(s, lambda homed=homed: self.materialize_one(homed),
+                                                lambda homed=homed: self._reset_done(homed)))
             self._homed.append(homed)
             self._by_group[id(s.group)].append(homed)
             self._by_param[id(s.parameter)] = homed
@@ -437,13 +439,28 @@ class ShardOffload:
                     out.append(homed)
         return out
 
-    def _step_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _step_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        if not any(id(p) in self._by_param for group in optimizer.param_groups for p in group["params"]):
+            return None
+        # (``args`` holds the optimizer first.) A closure (Lightning's loop
+        # passes one) makes the gradients: it runs here, once, before the
+        # homed shards are stepped, and the step gets its loss back.
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        result = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+            def ran() -> Any:
+                return loss
+
+            result = ((args[0], ran, *args[2:]), kwargs) if len(args) > 1 else (args, {**kwargs, "closure": ran})
         homed = self._steps(optimizer)
-        if not homed:
-            return
-        if len(args) > 1 and args[1] is not None or kwargs.get("closure") is not None:
-            raise ValueError("tierflow.torch.fsdp.offload: an optimizer step with a closure cannot step "
-                             "NVMe-homed shards (the closure's gradients come after their step)")
+        if homed:
+            self._step_homed(optimizer, homed)
+        return result
+
+    def _step_homed(self, optimizer: torch.optim.Optimizer, homed: list[_Homed]) -> None:
         self._reap(wait=True)
         self._send_grads(wait=True)
         from tierflow.torch.optim import Adam, Muon
@@ -513,7 +530,7 @@ class ShardOffload:
 
     # ---- values outside the iteration ------------------------------------------------------------
 
-    def materialize(self, modules: Iterable[nn.Module] | None = None) -> None:
+    def materialize(self, modules: Iterable[nn.Module] | None = None, only: _Homed | None = None) -> None:
         """Brings the NVMe-homed shards of ``modules`` (None: all) into
         ordinary host memory, where their parameters can be read and written
         (and are stepped) until the next forward writes them home."""
@@ -521,7 +538,7 @@ class ShardOffload:
         for homed in self._homed:
             if homed.materialized or homed.lease is not None:
                 continue
-            if wanted is not None and id(homed.shard.module) not in wanted:
+            if wanted is not None and id(homed.shard.module) not in wanted or only is not None and homed is not only:
                 continue
             pin = homed.shard.offloaded_to_cpu and self.policy.pin_memory and torch.cuda.is_available()
             target = torch.empty(homed.room, dtype=torch.uint8, pin_memory=pin)
@@ -529,6 +546,20 @@ class ShardOffload:
                 target.copy_(torch.from_dlpack(lease.wait())[: homed.room])
             _fsdp2.point_at(homed.shard, target.untyped_storage())
             homed.materialized = True
+
+    def materialize_one(self, homed: _Homed) -> None:
+        self.materialize([homed.shard.module], only=homed)
+
+    def _reset_done(self, homed: _Homed) -> None:
+        """After FSDP2 re-saved the shard's views (``module.to``): the same
+        room, or the block no longer fits them."""
+        block_bytes = self.store.describe(homed.block)["size_bytes"]
+        if homed.shard.room > block_bytes:
+            raise RuntimeError(f"tierflow.torch.fsdp.offload: '{homed.shard.name}''s shard grew to "
+                               f"{homed.shard.room} bytes (a dtype changed after offload()); call offload() after "
+                               "the model's last .to()")
+        homed.away = HomedTensor(Home(homed.away._home.name, Layout.of(homed.shard.real),
+                                      self._opener(homed, grad=False)))
 
     def _write_home(self, homed: _Homed) -> None:
         """Writes the values the shard's views hold into its block, on its
