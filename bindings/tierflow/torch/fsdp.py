@@ -513,7 +513,13 @@ class ShardOffload:
             self._unlease_grad(h)
 
     def _step_chunk(self, optimizer: Any, chunk: list[_Homed]) -> None:
-        optimizer.step_parameters([h.shard.parameter for h in chunk])
+        params = [h.shard.parameter for h in chunk]
+        try:
+            optimizer.step_parameters(params)
+        finally:
+            forget = getattr(optimizer, "_forget_views", None)  # (Adam's views of the leases, which go now)
+            if forget is not None:
+                forget(params)
         for h in chunk:
             self._unlease(h, dirty=True)
             self._unlease_grad(h)

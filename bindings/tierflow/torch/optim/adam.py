@@ -13,7 +13,7 @@ torch's own, and state_dicts load both ways between them and torch.optim.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import torch
 from torch import Tensor
@@ -421,6 +421,15 @@ class _NvmeState:
         optimizer does the same. Does nothing with offload="cpu"."""
         if self._nvme is not None:
             self._nvme.close()
+
+    def _forget_views(self, params: Iterable[Tensor]) -> None:
+        """Drops the kernel's views of ``params``' memory (made again at their
+        next step): for memory that is theirs only while a step runs, as
+        tierflow.torch.fsdp.offload's leases of NVMe-homed shards."""
+        slots = getattr(self, "_cpu_slots", None)
+        if slots:
+            for p in params:
+                slots.pop(p, None)
 
     def _release_native(self) -> None:
         """At interpreter exit (tierflow._lifetime): closes, and lets go of the C++ objects."""
