@@ -10,6 +10,8 @@ pkg_check_modules(LIBURING REQUIRED IMPORTED_TARGET liburing>=2.3)
 pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc>=2.0)
 pkg_check_modules(NUMA REQUIRED IMPORTED_TARGET numa)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash>=0.8)
+# collectives/: Gloo's TCP transport for host-buffer collectives (the target `gloo`).
+find_package(Gloo CONFIG REQUIRED)
 
 if(TIERFLOW_BUILD_TESTS)
   find_package(GTest REQUIRED)

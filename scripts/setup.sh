@@ -20,7 +20,7 @@ apt_packages=(
   liburing-dev libtbb-dev libhwloc-dev libnuma-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev
-  libhwy-dev libxxhash-dev libdnnl-dev
+  libhwy-dev libxxhash-dev libdnnl-dev libgloo-dev
   fio jq util-linux e2fsprogs
   clang-16
 )

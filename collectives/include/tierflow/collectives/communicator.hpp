@@ -1,0 +1,66 @@
+// A communicator: the collectives a fixed group of ranks runs together.
+//
+// Every rank issues the same collectives in the same order (as with NCCL or
+// torch.distributed); each call returns at once with a `work` handle, and the
+// collectives of one communicator complete in the order they were issued.
+// Buffers are the backend's kind of memory (host memory for Gloo) and must
+// stay valid, unread and unwritten by anyone else, until the handle is done.
+//
+// Uneven shards: all_gather and reduce_scatter take each rank's element count,
+// `counts[r]` for rank r, the same span on every rank; a count may be 0.
+//
+// Failure: a collective that fails (a peer died, a timeout passed) fails its
+// handle with a tierflow::error naming the backend, the rank, the collective
+// and the cause; the communicator is then broken: every collective pending or
+// issued later fails at once with the same cause. Nothing reconnects silently —
+// the caller makes a new communicator if it wants one.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string_view>
+
+#include "tierflow/core/dtype.hpp"
+
+namespace tierflow::collectives {
+
+enum class reduce_op : unsigned char { sum, max, min };
+
+// "sum", "max", "min".
+std::string_view name(reduce_op op) noexcept;
+
+// The completion of one collective on this rank.
+class work {
+ public:
+  virtual ~work() = default;
+  // Whether it has finished, done or failed; never blocks.
+  virtual bool done() const = 0;
+  // Blocks until it has finished; throws its error if it failed.
+  virtual void wait() = 0;
+};
+using work_ptr = std::shared_ptr<work>;
+
+class communicator {
+ public:
+  virtual ~communicator() = default;
+
+  virtual int rank() const noexcept = 0;
+  virtual int size() const noexcept = 0;
+  // "gloo", "nccl", ...
+  virtual std::string_view backend() const noexcept = 0;
+
+  // `out` (sum(counts) elements) becomes every rank's `in` (counts[rank()]
+  // elements), in rank order.
+  virtual work_ptr all_gather(const void* in, void* out, std::span<const std::size_t> counts, dtype t) = 0;
+  // `out` (counts[rank()] elements) becomes the reduction over the ranks of
+  // their `in` (sum(counts) elements)'s slice for this rank.
+  virtual work_ptr reduce_scatter(const void* in, void* out, std::span<const std::size_t> counts, dtype t,
+                                  reduce_op op) = 0;
+  // `inout` (`count` elements) becomes the reduction over the ranks of theirs.
+  virtual work_ptr all_reduce(void* inout, std::size_t count, dtype t, reduce_op op) = 0;
+  // `buffer` (`count` elements) becomes the root's on every rank.
+  virtual work_ptr broadcast(void* buffer, std::size_t count, dtype t, int root) = 0;
+};
+
+}  // namespace tierflow::collectives

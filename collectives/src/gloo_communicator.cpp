@@ -1,0 +1,347 @@
+// The Gloo backend (gloo.hpp): one thread per communicator runs its
+// collectives in issue order through Gloo's options-based algorithms.
+
+#include "tierflow/collectives/gloo.hpp"
+
+#include <gloo/allgatherv.h>
+#include <gloo/allreduce.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/transport/tcp/device.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tierflow/core/error.hpp"
+
+namespace tierflow::collectives {
+
+std::string_view name(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return "sum";
+    case reduce_op::max: return "max";
+    case reduce_op::min: return "min";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// ---- element arithmetic ---------------------------------------------------------------------
+
+float from_bf16(std::uint16_t bits) noexcept { return std::bit_cast<float>(std::uint32_t{bits} << 16); }
+
+std::uint16_t to_bf16(float value) noexcept {
+  const auto bits = std::bit_cast<std::uint32_t>(value);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((bits >> 16) | 0x40u);  // a quiet NaN
+  return static_cast<std::uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);  // to nearest, ties to even
+}
+
+float from_fp16(std::uint16_t bits) noexcept { return static_cast<float>(std::bit_cast<_Float16>(bits)); }
+
+std::uint16_t to_fp16(float value) noexcept { return std::bit_cast<std::uint16_t>(static_cast<_Float16>(value)); }
+
+float combine(reduce_op op, float a, float b) noexcept {
+  if (op == reduce_op::sum) return a + b;
+  if (a != a) return a;  // a NaN wins max and min, as in torch
+  if (b != b) return b;
+  return (op == reduce_op::max) == (a < b) ? b : a;
+}
+
+// Gloo's reduction callback for (dtype, op): out[i] = a[i] op b[i].
+gloo::AllreduceOptions::Func reduction(dtype t, reduce_op op) {
+  switch (t) {
+    case dtype::fp32:
+      return [op](void* out, const void* a, const void* b, std::size_t n) {
+        auto* o = static_cast<float*>(out);
+        const auto* x = static_cast<const float*>(a);
+        const auto* y = static_cast<const float*>(b);
+        for (std::size_t i = 0; i < n; ++i) o[i] = combine(op, x[i], y[i]);
+      };
+    case dtype::bf16:
+    case dtype::fp16: {
+      const bool bf16 = t == dtype::bf16;
+      return [op, bf16](void* out, const void* a, const void* b, std::size_t n) {
+        auto* o = static_cast<std::uint16_t*>(out);
+        const auto* x = static_cast<const std::uint16_t*>(a);
+        const auto* y = static_cast<const std::uint16_t*>(b);
+        for (std::size_t i = 0; i < n; ++i) {
+          const float v = bf16 ? combine(op, from_bf16(x[i]), from_bf16(y[i]))
+                               : combine(op, from_fp16(x[i]), from_fp16(y[i]));
+          o[i] = bf16 ? to_bf16(v) : to_fp16(v);
+        }
+      };
+    }
+  }
+  throw user_error("gloo: an unknown dtype");
+}
+
+// ---- completion ---------------------------------------------------------------------------------
+
+class gloo_work final : public work {
+ public:
+  bool done() const override {
+    std::lock_guard lock(mutex_);
+    return finished_;
+  }
+
+  void wait() override {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return finished_; });
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  void finish(std::exception_ptr error) {
+    {
+      std::lock_guard lock(mutex_);
+      finished_ = true;
+      error_ = std::move(error);
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  bool finished_ = false;
+  std::exception_ptr error_;
+};
+
+// A non-null address for a buffer of no bytes: Gloo's unbound buffers take
+// a pointer, and an empty tensor's may be null.
+std::byte empty_buffer[8];
+
+template <typename P>
+P* or_empty(P* p) {
+  return p != nullptr ? p : reinterpret_cast<P*>(empty_buffer);
+}
+
+std::string errno_text(int e) { return std::error_code(e, std::generic_category()).message(); }
+
+// ---- the communicator ---------------------------------------------------------------------------
+
+class gloo_communicator final : public communicator {
+ public:
+  gloo_communicator(int rank, int size, const gloo_options& options) : rank_(rank), size_(size), options_(options) {
+    const std::string where = "gloo rendezvous of rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                              " in " + options.store_dir + " (prefix '" + options.prefix + "')";
+    try {
+      gloo::transport::tcp::attr attr(options.hostname.c_str());
+      auto device = gloo::transport::tcp::CreateDevice(attr);
+      gloo::rendezvous::FileStore files(options.store_dir);
+      gloo::rendezvous::PrefixStore store(options.prefix, files);
+      auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
+      context->setTimeout(options.timeout);
+      context->connectFullMesh(store, device);
+      context_ = std::move(context);
+    } catch (const gloo::Exception& e) {
+      throw error(ECONNABORTED, error_context{"gloo rendezvous"}.at(options.store_dir),
+                  where + " failed: " + first_line(e.what()));
+    }
+    thread_ = std::thread([this] { run(); });
+  }
+
+  ~gloo_communicator() override {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  int rank() const noexcept override { return rank_; }
+  int size() const noexcept override { return size_; }
+  std::string_view backend() const noexcept override { return "gloo"; }
+
+  work_ptr all_gather(const void* in, void* out, std::span<const std::size_t> counts, dtype t) override {
+    std::vector<std::size_t> elements = checked_counts(counts, "all_gather");
+    const std::size_t total = std::accumulate(elements.begin(), elements.end(), std::size_t{0});
+    return submit("all_gather", [=, this](std::uint32_t tag) {
+      if (total == 0) return;  // (Gloo's allgatherv of nothing at all is not a no-op in Debian's snapshot)
+      gloo::AllgathervOptions opts(context_);
+      if (size_of(t) == 4) {
+        opts.setInput(or_empty(static_cast<float*>(const_cast<void*>(in))), elements[rank_]);
+        opts.setOutput(or_empty(static_cast<float*>(out)), elements);
+      } else {
+        opts.setInput(or_empty(static_cast<std::uint16_t*>(const_cast<void*>(in))), elements[rank_]);
+        opts.setOutput(or_empty(static_cast<std::uint16_t*>(out)), elements);
+      }
+      opts.setTag(tag);
+      opts.setTimeout(options_.timeout);
+      gloo::allgatherv(opts);
+    });
+  }
+
+  work_ptr reduce_scatter(const void* in, void* out, std::span<const std::size_t> counts, dtype t,
+                          reduce_op op) override {
+    std::vector<std::size_t> elements = checked_counts(counts, "reduce_scatter");
+    const std::size_t total = std::accumulate(elements.begin(), elements.end(), std::size_t{0});
+    const std::size_t offset = std::accumulate(elements.begin(), elements.begin() + rank_, std::size_t{0});
+    return submit("reduce_scatter", [=, this](std::uint32_t tag) {
+      if (total == 0) return;
+      std::vector<std::byte> whole(total * size_of(t));
+      std::memcpy(whole.data(), in, whole.size());
+      reduce(whole.data(), total, t, op, tag);
+      std::memcpy(out, whole.data() + offset * size_of(t), elements[rank_] * size_of(t));
+    });
+  }
+
+  work_ptr all_reduce(void* inout, std::size_t count, dtype t, reduce_op op) override {
+    return submit("all_reduce", [=, this](std::uint32_t tag) {
+      if (count != 0) reduce(inout, count, t, op, tag);
+    });
+  }
+
+  work_ptr broadcast(void* buffer, std::size_t count, dtype t, int root) override {
+    if (root < 0 || root >= size_)
+      throw user_error("broadcast: root " + std::to_string(root) + " is not a rank of " + std::to_string(size_));
+    return submit("broadcast", [=, this](std::uint32_t tag) {
+      if (count == 0) return;
+      gloo::BroadcastOptions opts(context_);
+      if (size_of(t) == 4) {
+        opts.setOutput(static_cast<float*>(buffer), count);
+      } else {
+        opts.setOutput(static_cast<std::uint16_t*>(buffer), count);
+      }
+      opts.setRoot(root);
+      opts.setTag(tag);
+      opts.setTimeout(options_.timeout);
+      gloo::broadcast(opts);
+    });
+  }
+
+ private:
+  struct task {
+    std::string what;
+    std::function<void(std::uint32_t)> run;
+    std::shared_ptr<gloo_work> done;
+  };
+
+  static std::string first_line(std::string_view text) {
+    const auto end = text.find('\n');
+    return std::string(text.substr(0, end));
+  }
+
+  std::vector<std::size_t> checked_counts(std::span<const std::size_t> counts, std::string_view what) const {
+    if (counts.size() != static_cast<std::size_t>(size_))
+      throw user_error(std::string(what) + ": " + std::to_string(counts.size()) + " counts for " +
+                       std::to_string(size_) + " ranks");
+    return {counts.begin(), counts.end()};
+  }
+
+  void reduce(void* data, std::size_t count, dtype t, reduce_op op, std::uint32_t tag) {
+    gloo::AllreduceOptions opts(context_);
+    if (size_of(t) == 4) {
+      opts.setOutput(static_cast<float*>(data), count);
+    } else {
+      opts.setOutput(static_cast<std::uint16_t*>(data), count);
+    }
+    opts.setReduceFunction(reduction(t, op));
+    opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
+    opts.setTag(tag);
+    opts.setTimeout(options_.timeout);
+    gloo::allreduce(opts);
+  }
+
+  work_ptr submit(std::string what, std::function<void(std::uint32_t)> run) {
+    auto done = std::make_shared<gloo_work>();
+    {
+      std::lock_guard lock(mutex_);
+      if (broken_) {
+        done->finish(broken_);
+        return done;
+      }
+      queue_.push_back(task{std::move(what), std::move(run), done});
+    }
+    cv_.notify_all();
+    return done;
+  }
+
+  void run() {
+    for (std::uint32_t tag = 0;; ++tag) {
+      task next;
+      {
+        std::unique_lock lock(mutex_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        next = std::move(queue_.front());
+        queue_.pop_front();
+        if (broken_) {
+          next.done->finish(broken_);
+          continue;
+        }
+      }
+      std::exception_ptr failure;
+      try {
+        next.run(tag);
+      } catch (const gloo::Exception& e) {
+        failure = broken(next.what, first_line(e.what()));
+      } catch (const std::exception& e) {
+        failure = broken(next.what, e.what());
+      }
+      next.done->finish(failure);
+    }
+  }
+
+  // Marks the communicator broken by `what`'s failure and fails what waits.
+  std::exception_ptr broken(const std::string& what, const std::string& cause) {
+    const std::string message = "gloo communicator (rank " + std::to_string(rank_) + " of " +
+                                std::to_string(size_) + "): " + what + " failed: " + cause +
+                                "; the communicator is broken, every later collective fails";
+    auto failure = std::make_exception_ptr(error(ECONNABORTED, error_context{what}, message));
+    std::deque<task> pending;
+    {
+      std::lock_guard lock(mutex_);
+      broken_ = failure;
+      pending.swap(queue_);
+    }
+    for (auto& t : pending) t.done->finish(failure);
+    return failure;
+  }
+
+  const int rank_, size_;
+  const gloo_options options_;
+  std::shared_ptr<gloo::Context> context_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<task> queue_;
+  std::exception_ptr broken_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace
+
+std::unique_ptr<communicator> make_gloo_communicator(int rank, int size, const gloo_options& options) {
+  if (size < 1) throw user_error("gloo: size " + std::to_string(size) + " is not a number of ranks");
+  if (rank < 0 || rank >= size)
+    throw user_error("gloo: rank " + std::to_string(rank) + " is not a rank of " + std::to_string(size));
+  if (options.timeout <= std::chrono::milliseconds::zero())
+    throw user_error("gloo: timeout " + std::to_string(options.timeout.count()) + " ms is not positive");
+  struct stat st {};
+  if (options.store_dir.empty()) throw user_error("gloo: store_dir is empty (the rendezvous directory)");
+  if (::stat(options.store_dir.c_str(), &st) != 0)
+    throw user_error("gloo: store_dir '" + options.store_dir + "': " + errno_text(errno));
+  if (!S_ISDIR(st.st_mode)) throw user_error("gloo: store_dir '" + options.store_dir + "' is not a directory");
+  if (options.prefix.empty()) throw user_error("gloo: prefix is empty");
+  return std::make_unique<gloo_communicator>(rank, size, options);
+}
+
+}  // namespace tierflow::collectives
