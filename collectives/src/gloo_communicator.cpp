@@ -199,7 +199,8 @@ class gloo_communicator final : public communicator {
       std::vector<std::byte> whole(total * size_of(t));
       std::memcpy(whole.data(), in, whole.size());
       reduce(whole.data(), total, t, op, tag);
-      std::memcpy(out, whole.data() + offset * size_of(t), elements[rank_] * size_of(t));
+      if (elements[rank_] != 0)  // (an empty slice's buffer may be null)
+        std::memcpy(out, whole.data() + offset * size_of(t), elements[rank_] * size_of(t));
     });
   }
 
