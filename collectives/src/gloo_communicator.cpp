@@ -11,7 +11,11 @@
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <pthread.h>
 #include <sys/stat.h>
+
+#include <csignal>
+#include <ctime>
 
 #include <algorithm>
 #include <bit>
@@ -134,6 +138,31 @@ P* or_empty(P* p) {
 
 std::string errno_text(int e) { return std::error_code(e, std::generic_category()).message(); }
 
+// SIGPIPE blocked in this thread while it lives (and in the threads made
+// meanwhile, which inherit the mask: Gloo's transport loop, the
+// communicator's own): a write to a peer that died is then EPIPE, Gloo's
+// error, instead of a signal that ends the process. Any SIGPIPE raised in
+// this thread meanwhile is taken before the mask is put back.
+class sigpipe_blocked {
+ public:
+  sigpipe_blocked() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+  }
+  ~sigpipe_blocked() {
+    const timespec now{};
+    while (sigtimedwait(&pipe_, nullptr, &now) == SIGPIPE) {
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  sigpipe_blocked(const sigpipe_blocked&) = delete;
+  sigpipe_blocked& operator=(const sigpipe_blocked&) = delete;
+
+ private:
+  sigset_t pipe_{}, old_{};
+};
+
 // Gloo's store interface over a rendezvous_store.
 class store_adapter final : public gloo::rendezvous::Store {
  public:
@@ -157,6 +186,7 @@ class gloo_communicator final : public communicator {
     const std::string place = options.store ? std::string("the given store") : options.store_dir;
     const std::string where = "gloo rendezvous of rank " + std::to_string(rank) + " of " + std::to_string(size) +
                               " in " + place + " (prefix '" + options.prefix + "')";
+    const sigpipe_blocked quiet;  // (for the rendezvous, and inherited by the threads made here)
     try {
       gloo::transport::tcp::attr attr(options.hostname.c_str());
       auto device = gloo::transport::tcp::CreateDevice(attr);
