@@ -40,5 +40,7 @@ void bind_offloaded_adam(nanobind::module_& m);
 void bind_zenflow(nanobind::module_& m);
 // AioHandle: DeepSpeed aio_handle's reads and writes over the I/O engine.
 void bind_aio(nanobind::module_& m);
+// GlooCommunicator, Work: collectives over CPU buffers between ranks.
+void bind_collectives(nanobind::module_& m);
 
 }  // namespace tierflow::python

@@ -17,4 +17,5 @@ NB_MODULE(_core, m) {
   tierflow::python::bind_offloaded_adam(m);
   tierflow::python::bind_zenflow(m);
   tierflow::python::bind_aio(m);
+  tierflow::python::bind_collectives(m);
 }

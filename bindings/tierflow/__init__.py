@@ -25,11 +25,11 @@ except ImportError as e:  # the pure-Python files without the built extension
     ) from e
 
 from tierflow import config
-from tierflow._core import Lease, PrefetchScheduler, Store
+from tierflow._core import GlooCommunicator, Lease, PrefetchScheduler, Store, Work
 from tierflow.errors import BudgetError, TierflowError
 
-__all__ = ["info", "simd_targets", "initialize", "Store", "Lease", "PrefetchScheduler", "config", "zero",
-           "TierflowError", "BudgetError", "__version__"]
+__all__ = ["info", "simd_targets", "initialize", "Store", "Lease", "PrefetchScheduler", "GlooCommunicator",
+           "Work", "config", "zero", "TierflowError", "BudgetError", "__version__"]
 
 __version__: str = _core.__version__
 

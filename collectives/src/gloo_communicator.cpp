@@ -163,26 +163,50 @@ class sigpipe_blocked {
   sigset_t pipe_{}, old_{};
 };
 
+// Gloo's store interface over a rendezvous_store.
+class store_adapter final : public gloo::rendezvous::Store {
+ public:
+  explicit store_adapter(rendezvous_store& store) : store_(store) {}
+  void set(const std::string& key, const std::vector<char>& data) override { store_.set(key, data); }
+  std::vector<char> get(const std::string& key) override { return store_.get(key); }
+  void wait(const std::vector<std::string>& keys) override {
+    for (const auto& key : keys) store_.get(key);
+  }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds&) override { wait(keys); }
+
+ private:
+  rendezvous_store& store_;
+};
+
 // ---- the communicator ---------------------------------------------------------------------------
 
 class gloo_communicator final : public communicator {
  public:
   gloo_communicator(int rank, int size, const gloo_options& options) : rank_(rank), size_(size), options_(options) {
+    const std::string place = options.store ? std::string("the given store") : options.store_dir;
     const std::string where = "gloo rendezvous of rank " + std::to_string(rank) + " of " + std::to_string(size) +
-                              " in " + options.store_dir + " (prefix '" + options.prefix + "')";
+                              " in " + place + " (prefix '" + options.prefix + "')";
     const sigpipe_blocked quiet;  // (for the rendezvous, and inherited by the threads made here)
     try {
       gloo::transport::tcp::attr attr(options.hostname.c_str());
       auto device = gloo::transport::tcp::CreateDevice(attr);
-      gloo::rendezvous::FileStore files(options.store_dir);
-      gloo::rendezvous::PrefixStore store(options.prefix, files);
+      std::unique_ptr<gloo::rendezvous::Store> base;
+      if (options.store) {
+        base = std::make_unique<store_adapter>(*options.store);
+      } else {
+        base = std::make_unique<gloo::rendezvous::FileStore>(options.store_dir);
+      }
+      gloo::rendezvous::PrefixStore store(options.prefix, *base);
       auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
       context->setTimeout(options.timeout);
       context->connectFullMesh(store, device);
       context_ = std::move(context);
     } catch (const gloo::Exception& e) {
-      throw error(ECONNABORTED, error_context{"gloo rendezvous"}.at(options.store_dir),
-                  where + " failed: " + first_line(e.what()));
+      throw error(ECONNABORTED, error_context{"gloo rendezvous"}.at(place), where + " failed: " + first_line(e.what()));
+    } catch (const error&) {
+      throw;  // (the store's own, naming what failed)
+    } catch (const std::exception& e) {
+      throw error(ECONNABORTED, error_context{"gloo rendezvous"}.at(place), where + " failed: " + first_line(e.what()));
     }
     thread_ = std::thread([this] { run(); });
   }
@@ -366,12 +390,13 @@ std::unique_ptr<communicator> make_gloo_communicator(int rank, int size, const g
     throw user_error("gloo: rank " + std::to_string(rank) + " is not a rank of " + std::to_string(size));
   if (options.timeout <= std::chrono::milliseconds::zero())
     throw user_error("gloo: timeout " + std::to_string(options.timeout.count()) + " ms is not positive");
+  if (options.prefix.empty()) throw user_error("gloo: prefix is empty");
+  if (options.store) return std::make_unique<gloo_communicator>(rank, size, options);
   struct stat st {};
-  if (options.store_dir.empty()) throw user_error("gloo: store_dir is empty (the rendezvous directory)");
+  if (options.store_dir.empty()) throw user_error("gloo: neither a store nor store_dir (the rendezvous directory)");
   if (::stat(options.store_dir.c_str(), &st) != 0)
     throw user_error("gloo: store_dir '" + options.store_dir + "': " + errno_text(errno));
   if (!S_ISDIR(st.st_mode)) throw user_error("gloo: store_dir '" + options.store_dir + "' is not a directory");
-  if (options.prefix.empty()) throw user_error("gloo: prefix is empty");
   return std::make_unique<gloo_communicator>(rank, size, options);
 }
 

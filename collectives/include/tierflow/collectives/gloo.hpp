@@ -2,8 +2,10 @@
 // Gloo's TCP transport (Debian's libgloo-dev), for CPU clusters and for
 // running the multi-rank paths on a machine without a GPU.
 //
-// The ranks meet through a directory every rank sees (Gloo's file store):
-// each writes its address under `prefix` there, and every pair connects.
+// The ranks meet through a key-value store they share — a directory every
+// rank sees (Gloo's file store) or a `rendezvous_store` (torch.distributed's
+// TCPStore under torchrun, from Python) — each writing its address under
+// `prefix`, and every pair connects.
 // Each collective runs on the communicator's own thread, in issue order,
 // with `timeout` as its end-to-end limit; a peer that dies or stops
 // answering fails it within that time (see communicator.hpp for what follows).
@@ -17,13 +19,26 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tierflow/collectives/communicator.hpp"
 
 namespace tierflow::collectives {
 
+// A key-value store every rank of the group reaches: what the ranks meet
+// through. get() blocks until the key is set (or throws after the store's
+// own timeout); calls come from the thread that makes the communicator.
+class rendezvous_store {
+ public:
+  virtual ~rendezvous_store() = default;
+  virtual void set(const std::string& key, const std::vector<char>& value) = 0;
+  virtual std::vector<char> get(const std::string& key) = 0;
+};
+
 struct gloo_options {
-  // The rendezvous directory, existing and writable by every rank.
+  // Where the ranks meet: `store` when given, else the directory
+  // `store_dir`, existing and writable by every rank.
+  std::shared_ptr<rendezvous_store> store;
   std::string store_dir;
   // The keys' prefix in it: one per communicator made in the same directory.
   std::string prefix = "tierflow";

@@ -1,0 +1,50 @@
+"""tierflow's GlooCommunicator from Python, beside torch.distributed: 2 and 3
+ranks launched by torchrun, meeting through torchrun's store
+(collectives_worker.py); and its one-process errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tierflow
+from tierflow._core import GlooCommunicator
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_every_collective_and_dtype_is_exact_and_all_reduce_is_torch_distributeds(tmp_path, ranks):
+    worker = os.path.join(os.path.dirname(__file__), "collectives_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(tierflow.__file__)),
+                                          os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(ranks), worker, str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for r in range(ranks):
+        assert json.loads((tmp_path / f"out.rank{r}").read_text()) == []
+
+
+def test_one_rank_over_a_directory_and_its_errors(tmp_path):
+    comm = GlooCommunicator(0, 1, store_dir=str(tmp_path), timeout=5.0)
+    assert (comm.rank, comm.size) == (0, 1)
+    t = torch.arange(5, dtype=torch.bfloat16)
+    comm.all_reduce(t, op="sum").wait()
+    assert t.tolist() == list(range(5))
+    with pytest.raises(ValueError, match="'prod' is not 'sum', 'max' or 'min'"):
+        comm.all_reduce(t, op="prod")
+    with pytest.raises(ValueError, match="the input is bf16, the output fp32"):
+        comm.all_gather(t, torch.empty(5), [5])
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        comm.all_reduce(torch.arange(3))
+    comm.close()
+    comm.close()
+    with pytest.raises(ValueError, match="closed"):
+        comm.all_reduce(t)
+    with pytest.raises(ValueError, match="exactly one of store"):
+        GlooCommunicator(0, 1)
+    with pytest.raises(ValueError, match="is not a rank of 2"):
+        GlooCommunicator(2, 2, store_dir=str(tmp_path))
