@@ -17,19 +17,9 @@ import torch.nn as nn
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
+from fsdp2_worker import HYPER, Block  # (this directory: the script's)
+
 STEPS = 20
-HYPER = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
 class Regression(L.LightningModule):
