@@ -232,7 +232,7 @@ class ShardOffload:
             homed.away = HomedTensor(Home(f"'{s.name}''s shard (homed on NVMe by tierflow.torch.fsdp.offload)",
                                           Layout.of(s.real), self._opener(homed, grad=False)))
             self._write_home(homed)
-            self._undo.append(_fsdp2.wrap_reset(s, lambda homed=homed: self.materialize_one(homed),
+            self._undo.append(_fsdp2.wrap_reset(s, lambda homed=homed: self._materialize(homed),
                                                 lambda homed=homed: self._reset_done(homed)))
             self._homed.append(homed)
             self._by_group[id(s.group)].append(homed)
@@ -536,25 +536,25 @@ class ShardOffload:
 
     # ---- values outside the iteration ------------------------------------------------------------
 
-    def materialize(self, modules: Iterable[nn.Module] | None = None, only: _Homed | None = None) -> None:
+    def materialize(self, modules: Iterable[nn.Module] | None = None) -> None:
         """Brings the NVMe-homed shards of ``modules`` (None: all) into
         ordinary host memory, where their parameters can be read and written
         (and are stepped) until the next forward writes them home."""
         wanted = None if modules is None else {id(m) for m in modules}
         for homed in self._homed:
-            if homed.materialized or homed.lease is not None:
-                continue
-            if wanted is not None and id(homed.shard.module) not in wanted or only is not None and homed is not only:
-                continue
-            pin = homed.shard.offloaded_to_cpu and self.policy.pin_memory and torch.cuda.is_available()
-            target = torch.empty(homed.room, dtype=torch.uint8, pin_memory=pin)
-            with self.store.acquire(homed.block, "host", "read") as lease:
-                target.copy_(torch.from_dlpack(lease.wait())[: homed.room])
-            _fsdp2.point_at(homed.shard, target.untyped_storage())
-            homed.materialized = True
+            if wanted is None or id(homed.shard.module) in wanted:
+                self._materialize(homed)
 
-    def materialize_one(self, homed: _Homed) -> None:
-        self.materialize([homed.shard.module], only=homed)
+    def _materialize(self, homed: _Homed) -> None:
+        """One shard into ordinary host memory (none leased, or there already)."""
+        if homed.materialized or homed.lease is not None:
+            return
+        pin = homed.shard.offloaded_to_cpu and self.policy.pin_memory and torch.cuda.is_available()
+        target = torch.empty(homed.room, dtype=torch.uint8, pin_memory=pin)
+        with self.store.acquire(homed.block, "host", "read") as lease:
+            target.copy_(torch.from_dlpack(lease.wait())[: homed.room])
+        _fsdp2.point_at(homed.shard, target.untyped_storage())
+        homed.materialized = True
 
     def _reset_done(self, homed: _Homed) -> None:
         """After FSDP2 re-saved the shard's views (``module.to``): the same
