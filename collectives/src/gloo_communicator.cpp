@@ -227,14 +227,19 @@ class gloo_communicator final : public communicator {
   work_ptr all_gather(const void* in, void* out, std::span<const std::size_t> counts, dtype t) override {
     std::vector<std::size_t> elements = checked_counts(counts, "all_gather");
     const std::size_t total = std::accumulate(elements.begin(), elements.end(), std::size_t{0});
+    const std::size_t offset = std::accumulate(elements.begin(), elements.begin() + rank_, std::size_t{0});
     return submit("all_gather", [=, this](std::uint32_t tag) {
       if (total == 0) return;  // (Gloo's allgatherv of nothing at all is not a no-op in Debian's snapshot)
       gloo::AllgathervOptions opts(context_);
+      // In place (`in` is this rank's slot of `out`): Gloo takes no input and
+      // reads the slot, instead of a memcpy of the slot onto itself.
+      const bool in_place = in == static_cast<const std::byte*>(out) + offset * size_of(t);
       if (size_of(t) == 4) {
-        opts.setInput(or_empty(static_cast<float*>(const_cast<void*>(in))), elements[rank_]);
+        if (!in_place) opts.setInput(or_empty(static_cast<float*>(const_cast<void*>(in))), elements[rank_]);
         opts.setOutput(or_empty(static_cast<float*>(out)), elements);
       } else {
-        opts.setInput(or_empty(static_cast<std::uint16_t*>(const_cast<void*>(in))), elements[rank_]);
+        if (!in_place)
+          opts.setInput(or_empty(static_cast<std::uint16_t*>(const_cast<void*>(in))), elements[rank_]);
         opts.setOutput(or_empty(static_cast<std::uint16_t*>(out)), elements);
       }
       opts.setTag(tag);

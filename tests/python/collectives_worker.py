@@ -38,6 +38,10 @@ def main() -> None:
         gathered = torch.empty(total, dtype=dtype)
         comm.all_gather(mine, gathered, counts).wait()
         check(f"all_gather {dtype}", gathered, torch.cat([value(r, counts[r], dtype) for r in range(world)]))
+        in_place = torch.zeros(total, dtype=dtype)  # this rank's slot holds its shard already
+        in_place[offset:offset + counts[rank]] = mine
+        comm.all_gather(in_place[offset:offset + counts[rank]], in_place, counts).wait()
+        check(f"all_gather in place {dtype}", in_place, gathered)
 
         whole = value(rank, total, dtype)
         reduced = torch.empty(counts[rank], dtype=dtype)

@@ -51,7 +51,8 @@ class communicator {
   virtual std::string_view backend() const noexcept = 0;
 
   // `out` (sum(counts) elements) becomes every rank's `in` (counts[rank()]
-  // elements), in rank order.
+  // elements), in rank order. In place when `in` is this rank's slot of `out`
+  // (out + sum(counts[0..rank())) elements).
   virtual work_ptr all_gather(const void* in, void* out, std::span<const std::size_t> counts, dtype t) = 0;
   // `out` (counts[rank()] elements) becomes the reduction over the ranks of
   // their `in` (sum(counts) elements)'s slice for this rank.
