@@ -19,21 +19,11 @@
 #include <chrono>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "tierflow/collectives/communicator.hpp"
+#include "tierflow/collectives/rendezvous.hpp"  // rendezvous_store
 
 namespace tierflow::collectives {
-
-// A key-value store every rank of the group reaches: what the ranks meet
-// through. get() blocks until the key is set (or throws after the store's
-// own timeout); calls come from the thread that makes the communicator.
-class rendezvous_store {
- public:
-  virtual ~rendezvous_store() = default;
-  virtual void set(const std::string& key, const std::vector<char>& value) = 0;
-  virtual std::vector<char> get(const std::string& key) = 0;
-};
 
 struct gloo_options {
   // Where the ranks meet: `store` when given, else the directory
