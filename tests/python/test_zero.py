@@ -515,15 +515,7 @@ def test_two_processes_over_gloo_train_as_one(tmp_path, monkeypatch, clip):
 
     monkeypatch.setenv("ZERO_DP_CLIP", clip)
     one = worker.run(str(tmp_path / "one"), str(tmp_path / "one" / "ck"))
-    out = tmp_path / "two.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(tierflow.__file__)),
-                                          os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           worker.__file__, str(out), str(tmp_path / "two")],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"two.json.rank{r}").read_text()) for r in range(2)]
+    ranks = _two_ranks(worker, tmp_path, "two")
     assert ranks[0]["world"] == 2 and ranks[0]["losses"] == ranks[1]["losses"]
     torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
     for name, value in one["state"].items():  # state_dict gathers the whole parameter on every rank
@@ -536,8 +528,10 @@ def test_two_processes_over_gloo_train_as_one(tmp_path, monkeypatch, clip):
     assert one["built_in_store"] == one["losses"][:4]
     for r in ranks:
         tiers = r["tiers"]
-        for name in ("device", "host", "gathered"):
+        for name in ("host", "gathered"):
             assert 0 < tiers[name]["high_water"] <= tiers[name]["budget"], name
+        # the shards go from host memory straight into their gather buffers
+        assert tiers["device"]["high_water"] == 0
         # Each rank's store holds its shards: about half of what one process holds.
         assert tiers["host"]["high_water"] < 0.7 * one["tiers"]["host"]["high_water"]
         assert tiers["device"]["budget"] + tiers["gathered"]["budget"] == one["tiers"]["device"]["budget"]
@@ -545,6 +539,44 @@ def test_two_processes_over_gloo_train_as_one(tmp_path, monkeypatch, clip):
     files = sorted(os.listdir(tmp_path / "two" / "checkpoints" / "global_step6"))
     assert files == ["engine.pt", "model.safetensors", "optimizer.rank0", "optimizer.rank1"] + [
         f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(2) for kind in ("model", "optim")]
+
+
+def _two_ranks(worker, tmp_path, name, **env):
+    """``worker`` run by torchrun on 2 ranks (its NVMe under ``tmp_path/name``):
+    each rank's results."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env,
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(tierflow.__file__)),
+                                          os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / f"{name}.json"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           worker.__file__, str(out), str(tmp_path / name)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((tmp_path / f"{name}.json.rank{r}").read_text()) for r in range(2)]
+
+
+def test_two_ranks_on_tierflows_collectives_train_as_on_torch_distributeds(tmp_path):
+    """The same 2-rank run (NVMe shards, a resume, clipping) with every gather
+    and reduce-scatter on tierflow's Gloo communicator — the parameters
+    gathered ahead of their use, in place — and on torch.distributed's gloo
+    group: the same losses and parameters, bit for bit (a sum of two fp32
+    values does not depend on who adds them). Counted: which collectives ran
+    where, and the gathers issued ahead."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import zero_dp_worker as worker
+
+    ours = _two_ranks(worker, tmp_path, "ours", ZERO_DP_COLLECTIVES="tierflow")
+    theirs = _two_ranks(worker, tmp_path, "theirs", ZERO_DP_COLLECTIVES="torch")
+    for o, t in zip(ours, theirs):
+        assert o["losses"] == t["losses"] and o["built_in_store"] == t["built_in_store"]
+        assert o["state"] == t["state"]
+        c = o["collectives"]
+        # the scalar sums (the norm, agreements) are torch.distributed's; every gather and reduce-scatter ours
+        assert c["by"] == "tierflow" and c["tierflow"] > 10 * c["torch"] > 0, c
+        assert c["gathered_ahead"] > 0 and c["ahead_dropped"] <= c["gathered_ahead"], c
+        c = t["collectives"]
+        assert c["by"] == "torch" and c["tierflow"] == 0 and c["torch"] > 0, c
+        assert c["gathered_ahead"] == o["collectives"]["gathered_ahead"], (c, o["collectives"])
 
 
 def stage2_config(nvme=None, zenflow=None):

@@ -83,7 +83,9 @@ def config(nvme: str, device_memory: int) -> dict:
             # weights are gathered around each use.
             "stage3_param_persistence_threshold": 200,
         },
-        "tierflow": {"device_memory": device_memory, "host_memory": 4 << 20},
+        "tierflow": {"device_memory": device_memory, "host_memory": 4 << 20,
+                     # who gathers and reduce-scatters: tierflow's communicators or torch.distributed
+                     "collectives": os.environ.get("ZERO_DP_COLLECTIVES", "tierflow")},
     }
 
 
@@ -129,7 +131,8 @@ def run(nvme: str, checkpoint_dir: str) -> dict:
     engine = make(built_in_store=True)
     built = train(engine, range(2))
     engine.close()
-    return {"losses": losses, "built_in_store": built, "state": state, "tiers": stats["tiers"], "world": world, "no_sync": no_sync}
+    return {"losses": losses, "built_in_store": built, "state": state, "tiers": stats["tiers"], "world": world, "no_sync": no_sync,
+            "collectives": stats.get("collectives")}
 
 
 if __name__ == "__main__":

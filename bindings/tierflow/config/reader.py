@@ -707,6 +707,8 @@ def _read_tierflow(run: _Run, top: _Section) -> TierflowOptions:
         trace=s.get("trace", _flag, False),
         overlap_step=s.get("overlap_step", _flag, True),
         strict_config=s.get("strict_config", _flag, True),
+        collectives=s.get("collectives", _choice("tierflow", "torch"), "tierflow"),
+        collectives_timeout=s.get("collectives_timeout", _real(0.0, low_open=True), 600.0),
     )
     # tierflow's own section has no foreign keys to carry over: a typo is an
     # error, whatever strict_config says.
@@ -723,11 +725,11 @@ def _report_tierflow_stage(run: _Run, top: _Section, options: TierflowOptions, z
     """Names the tierflow section's keys that nothing reads at this stage."""
     given = top.data.get("tierflow") or {}
     if zero.stage != 3:
-        for name in ("device_memory", "host_memory", "trace", "overlap_step"):
+        for name in ("device_memory", "host_memory", "trace", "overlap_step", "collectives", "collectives_timeout"):
             if name in given:
                 run.not_used.append(UnusedKey(f"tierflow.{name}", f"not used at stage {zero.stage}: the store, its "
-                                                                   "budgets, its trace and the overlapped step are "
-                                                                   "stage 3's"))
+                                                                   "budgets, its trace, the overlapped step and "
+                                                                   "the collectives are stage 3's"))
     nvme = zero.offload_optimizer.device == "nvme" or (zero.stage == 3 and zero.offload_param.device == "nvme")
     if "nvme_dir" in given and not nvme:
         run.not_used.append(UnusedKey("tierflow.nvme_dir", "not used: nothing is offloaded to NVMe"))

@@ -252,7 +252,12 @@ class TierflowOptions:
     tierflow decides. ``strict_config`` (default true) refuses a key
     tierflow does not know and a setting it does otherwise, whose value
     changes nothing in what is trained (``overlap_comm: false``...); false
-    reports them in one warning instead."""
+    reports them in one warning instead. With several ranks,
+    ``collectives`` says who runs the parameters' gathers and the gradients'
+    reduce-scatters: ``"tierflow"`` (default) tierflow's communicators where
+    it has one for the memory (Gloo for host memory) and torch.distributed's
+    elsewhere, ``"torch"`` torch.distributed's; ``collectives_timeout`` (seconds, default 600) is how
+    long one of tierflow's may take before it fails the step."""
 
     device_memory: int | None = None
     host_memory: int | None = None
@@ -261,6 +266,8 @@ class TierflowOptions:
     trace: bool = False
     overlap_step: bool = True
     strict_config: bool = True
+    collectives: str = "tierflow"
+    collectives_timeout: float = 600.0
 
 
 @dataclass(frozen=True)

@@ -1,38 +1,105 @@
-"""The collectives a data-parallel ZeRO-3 run needs, over ``torch.distributed``.
+"""The collectives a data-parallel ZeRO-3 run needs.
 
 With several processes (launched with ``torchrun``, the process group made
 with ``torch.distributed.init_process_group`` before the engine), each rank's
 store holds one shard of every parameter: ``ceil(numel / world_size)``
 elements, the last rank's padded with zeros. A parameter's full values are
-the rank-ordered concatenation of the shards (:meth:`Group.gather`); a
+the rank-ordered concatenation of the shards (:meth:`Group.gather`, or
+:meth:`Group.gather_in_place` for a buffer whose rank slot is filled); a
 gradient becomes each rank's shard of the mean over the ranks
 (:meth:`Group.reduce_scatter_mean`). The reductions run in fp32 whatever the
 compute dtype, so a gradient averaged over two ranks differs from one
 process's only by the order of the additions.
+
+Who runs them (``tierflow.collectives``): ``"tierflow"`` (the default) runs
+the parameters' and gradients' collectives on tierflow's own communicators
+where it has one for the buffers' memory — Gloo for host memory, meeting
+through the process group's store — and on ``torch.distributed`` otherwise
+(device memory; :attr:`Group.counts` counts each); ``"torch"`` runs them all
+on ``torch.distributed``. The handful of scalar sums and
+barriers a step needs (the gradient norm, an agreement on an error) are fp64
+and always ``torch.distributed``'s. tierflow's collectives are asynchronous:
+the engine issues a gather ahead of its use and reduce-scatters a gradient
+while the backward goes on; both complete in issue order, and every rank
+issues them in the same order.
 
 With no process group (or a group of one) every collective is the identity,
 and the engine runs exactly as a single process does. All ranks must call the
 collectives in the same order: they run the same model on the same code path,
 so the forward, the backward and the step do.
 
-This module is the only one in the engine that calls ``torch.distributed``.
+This module is the only one in the engine that calls ``torch.distributed``
+or a communicator.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 from typing import Any
 
 import torch
 
-__all__ = ["Group", "current_group"]
+__all__ = ["Group", "Pending", "current_group", "COLLECTIVES"]
+
+#: ``tierflow.collectives``'s values.
+COLLECTIVES = ("tierflow", "torch")
+
+# The dtypes tierflow's communicators move.
+_COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Communicators made in this process, in order: every rank makes its groups'
+# in the same order, so the n-th one's keys in the store are the same on each.
+_made = itertools.count(1)
+
+
+class Pending:
+    """A collective issued and not yet waited for: :meth:`wait` (or
+    ``synchronize()``, the name a CUDA event's wait has, so a gradient's
+    readiness can be either) blocks until it is done, raises its error, and
+    returns its output."""
+
+    def __init__(self, work: Any, out: torch.Tensor, then: Any = None) -> None:
+        self._work, self._out, self._then = work, out, then
+
+    @property
+    def done(self) -> bool:
+        """Whether it has finished (never blocks)."""
+        work = self._work
+        if work is None:
+            return True
+        done = getattr(work, "done", None)  # tierflow's Work; torch.distributed's has is_completed()
+        return done if isinstance(done, bool) else work.is_completed()
+
+    @property
+    def output(self) -> torch.Tensor:
+        """The tensor the collective writes: its values only after :meth:`wait`."""
+        return self._out
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+            if self._then is not None:
+                self._then(self._out)
+        return self._out
+
+    synchronize = wait
 
 
 class Group:
-    """The ranks of one data-parallel run (``world_size`` 1 without a process group)."""
+    """The ranks of one data-parallel run (``world_size`` 1 without a process
+    group). ``collectives``: who runs the parameters' and gradients'
+    collectives (the module's docstring); ``timeout``: seconds one of
+    tierflow's may take before it fails, and the communicator with it."""
 
-    def __init__(self, process_group: Any = None) -> None:
+    def __init__(self, process_group: Any = None, *, collectives: str = "tierflow", timeout: float = 600.0) -> None:
         import torch.distributed as dist
 
+        if collectives not in COLLECTIVES:
+            raise ValueError(f"tierflow.collectives: {collectives!r} is not \"tierflow\" or \"torch\"")
+        if not timeout > 0:
+            raise ValueError(f"tierflow.collectives_timeout: {timeout} s is not positive")
         self._dist = dist
         self.active = dist.is_available() and dist.is_initialized()
         self.process_group = process_group
@@ -40,20 +107,75 @@ class Group:
         self.rank = dist.get_rank(process_group) if self.active else 0
         if self.world_size == 1:
             self.active = False
+        self.collectives = collectives
+        self.timeout = float(timeout)
+        self._comm: Any = None  # tierflow's communicator over host memory, made at its first use
+        # Collectives run by tierflow's communicators and by torch.distributed.
+        self.counts = {"tierflow": 0, "torch": 0}
         # NCCL moves device memory only: host tensors (a checkpoint's values,
         # a parameter being adopted) go through a device copy.
         self._staging = (torch.device("cuda", torch.cuda.current_device())
                          if self.active and dist.get_backend(process_group) == "nccl" else None)
 
+    @classmethod
+    def from_options(cls, options: Any = None, process_group: Any = None) -> "Group":
+        """The group of ``process_group`` run as ``options`` (a config's
+        :class:`~tierflow.config.TierflowOptions`) say."""
+        if options is None:
+            return cls(process_group)
+        return cls(process_group, collectives=options.collectives, timeout=options.collectives_timeout)
+
+    # ---- who runs a collective ----------------------------------------------------------------
+
+    def _ours(self, *tensors: torch.Tensor) -> Any:
+        """tierflow's communicator when it runs a collective over ``tensors``,
+        else None (torch.distributed's)."""
+        if not self.active or self.collectives == "torch":
+            return None
+        if all(t.device.type == "cpu" and t.dtype in _COMM_DTYPES for t in tensors):
+            if self._comm is None:
+                self._comm = self._connect()
+            self.counts["tierflow"] += 1
+            return self._comm
+        return None
+
+    def _connect(self) -> Any:
+        """tierflow's Gloo communicator over this group's ranks, meeting
+        through the process group's store (``TIERFLOW_GLOO_HOSTNAME``: the
+        address this rank listens on; 127.0.0.1 when every rank is on this
+        node, this host's name otherwise)."""
+        from tierflow._core import GlooCommunicator
+
+        dist = self._dist
+        store = dist.distributed_c10d._get_default_store()
+        ranks = dist.get_process_group_ranks(self.process_group) if self.process_group is not None \
+            else range(self.world_size)
+        prefix = f"tierflow/zero/{next(_made)}/" + ",".join(map(str, ranks))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        hostname = os.environ.get("TIERFLOW_GLOO_HOSTNAME") or (
+            "127.0.0.1" if local >= int(os.environ.get("WORLD_SIZE", self.world_size)) else _hostname())
+        return GlooCommunicator(self.rank, self.world_size, store=store, prefix=prefix, hostname=hostname,
+                                timeout=self.timeout)
+
+    def close(self) -> None:
+        """Leaves tierflow's communicator (it waits for what is under way);
+        a later collective makes a new one."""
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.close()
+
     def _run(self, op: Any, tensor: torch.Tensor, *others: torch.Tensor) -> None:
-        """``op(tensor, *others)`` on the backend's device: ``tensor`` (the
-        output) gets the result in place."""
+        """``op(tensor, *others)`` on torch.distributed's backend's device:
+        ``tensor`` (the output) gets the result in place."""
+        self.counts["torch"] += 1
         if self._staging is None or tensor.device.type != "cpu":
             op(tensor, *others)
             return
         staged = tensor.to(self._staging)
         op(staged, *(o.to(self._staging) for o in others))
         tensor.copy_(staged)
+
+    # ---- shards -------------------------------------------------------------------------------
 
     def shard_numel(self, numel: int) -> int:
         """Elements of one rank's shard of a tensor of ``numel``."""
@@ -70,6 +192,13 @@ class Group:
         out[:piece.numel()] = piece
         return out
 
+    def slot(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slot of ``full`` (``world_size`` equal shards, flat)."""
+        shard = full.numel() // self.world_size
+        return full[self.rank * shard:(self.rank + 1) * shard]
+
+    # ---- collectives --------------------------------------------------------------------------
+
     def gather(self, shard: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's ``shard`` (1-D, the same size on each), concatenated in
         rank order into ``out`` (``world_size × shard`` elements) or a new tensor."""
@@ -78,23 +207,48 @@ class Group:
         if not self.active:
             out.copy_(shard)
             return out
-        self._run(lambda o, s: self._dist.all_gather_into_tensor(o, s, group=self.process_group),
-                  out, shard.contiguous())
-        return out
+        self.slot(out).copy_(shard)
+        return self.gather_in_place(out).wait()
 
-    def reduce_scatter_mean(self, flat: torch.Tensor, shard: int) -> torch.Tensor:
-        """This rank's ``shard`` elements of the mean over the ranks of ``flat``
-        (1-D, each rank's full gradient), reduced in fp32."""
+    def gather_in_place(self, full: torch.Tensor) -> Pending:
+        """Starts gathering into ``full`` (1-D, ``world_size`` equal shards)
+        every rank's shard from its slot of its ``full``, where this rank has
+        put its own (:meth:`slot`): no copy in. Wait for the result before
+        reading ``full``, or writing its slot."""
+        if not self.active:
+            return Pending(None, full)
+        counts = [full.numel() // self.world_size] * self.world_size
+        comm = self._ours(full)
+        if comm is not None:
+            return Pending(comm.all_gather(self.slot(full), full, counts), full)
+        # torch.distributed's gloo copies its input into the slot: give it a copy.
+        mine = self.slot(full).clone()
+        if self._staging is None:
+            self.counts["torch"] += 1
+            work = self._dist.all_gather_into_tensor(full, mine, group=self.process_group, async_op=True)
+            return Pending(work, full)
+        self._run(lambda o, s: self._dist.all_gather_into_tensor(o, s, group=self.process_group), full, mine)
+        return Pending(None, full)
+
+    def reduce_scatter_mean(self, flat: torch.Tensor, shard: int) -> Pending:
+        """Starts reducing this rank's ``shard`` elements of the mean over the
+        ranks of ``flat`` (1-D, each rank's full gradient), in fp32: the
+        result is :meth:`Pending.wait`'s."""
         full = torch.zeros(shard * self.world_size, dtype=torch.float32, device=flat.device)
         full[:flat.numel()] = flat
         if not self.active:
-            return full
+            return Pending(None, full)
         out = torch.empty(shard, dtype=torch.float32, device=flat.device)
+        world = self.world_size
+        comm = self._ours(full)
+        if comm is not None:
+            # ``full`` stays referenced by the Work until it is done.
+            return Pending(comm.reduce_scatter(full, out, [shard] * world), out, lambda o: o.div_(world))
         self._run(lambda o, f: self._dist.reduce_scatter_tensor(o, f, group=self.process_group), out, full)
-        return out.div_(self.world_size)
+        return Pending(None, out.div_(world))
 
     def sum(self, *values: float) -> list[float]:
-        """Each of ``values`` summed over the ranks (fp64)."""
+        """Each of ``values`` summed over the ranks (fp64, torch.distributed's)."""
         if not self.active:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64)
@@ -105,7 +259,11 @@ class Group:
         """``tensor`` replaced in place by rank ``src``'s values."""
         if self.active:
             staged = tensor if tensor.is_contiguous() else tensor.contiguous()
-            self._run(lambda x: self._dist.broadcast(x, src=src, group=self.process_group), staged)
+            comm = self._ours(staged)
+            if comm is not None:
+                comm.broadcast(staged.view(-1), src).wait()
+            else:
+                self._run(lambda x: self._dist.broadcast(x, src=src, group=self.process_group), staged)
             if staged is not tensor:
                 tensor.copy_(staged)
         return tensor
@@ -121,9 +279,16 @@ class Group:
         return self.sum(0.0 if ok else 1.0)[0] == 0.0
 
     def __repr__(self) -> str:
-        return f"Group(rank={self.rank}, world_size={self.world_size})"
+        return f"Group(rank={self.rank}, world_size={self.world_size}, collectives={self.collectives!r})"
 
 
-def current_group() -> Group:
-    """The default process group's ranks (world_size 1 without one)."""
-    return Group()
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def current_group(options: Any = None) -> Group:
+    """The default process group's ranks (world_size 1 without one), its
+    collectives run as ``options`` (a config's TierflowOptions) say."""
+    return Group.from_options(options)

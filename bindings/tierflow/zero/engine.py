@@ -133,7 +133,7 @@ class Engine:
         self._closed = False
 
         check_optimizer(config)  # before anything moves: a refused config leaves the model as it was
-        self.group: Group = params.group if params is not None else current_group()
+        self.group: Group = params.group if params is not None else current_group(config.tierflow)
         if self.stage != 3 and self.group.world_size > 1:
             raise ValueError(f"zero_optimization.stage: {self.stage} over {self.group.world_size} processes; "
                              "tierflow's data parallelism is stage 3's (give stage 3, or run one process)")

@@ -20,6 +20,7 @@ import torch
 
 from tierflow.config import AUTO, Config, from_deepspeed
 from tierflow.zero.access import ParameterAccess
+from tierflow.zero.comm import Group
 from tierflow.zero.partition import ParamStore
 from tierflow.zero.plan import format_bytes, make_plan, pages
 
@@ -81,7 +82,8 @@ class Init:
         self.plan = make_plan(None, self.config)  # the same planner as the engine's, the model not built yet
         threshold = self.config.zero.stage3_param_persistence_threshold
         self.threshold = 100_000 if threshold is AUTO else int(threshold)
-        self.params = ParamStore(self.plan, trace=self.config.tierflow.trace)
+        self.params = ParamStore(self.plan, trace=self.config.tierflow.trace,
+                                 group=Group.from_options(self.config.tierflow))
         self._patched: dict[type, Any] = {}  # class -> (its __init__, the wrapper put in its place)
         self._active = False
         self._access: ParameterAccess | None = None

@@ -20,17 +20,22 @@ is served on demand and re-recorded, never an error. Outside one (eval, a
 forward under ``no_grad``, a checkpoint) leases go to the store directly.
 
 With several data-parallel ranks (comm.py) each rank's blocks hold its
-shard of every parameter and gradient: :meth:`fetch` leases the shard into the
-device tier, gathers the full parameter from every rank's shard into a buffer
-of its own and ends the lease; a gradient is reduce-scattered to the rank's
-shard before it is accumulated; and the optimizer steps each rank's shards (a
-flat parameter per partition, :attr:`Partition.step_param`). The gathered
-buffers are bounded by the device budget less the device tier's share (the
-budget ÷ (2 × world_size), for the shards on their way: a shard is held only
-while it is gathered), so a rank's device never holds more than
-``tierflow.device_memory``. Whole-parameter reads (a
-checkpoint, ``state_dict``) gather too: every rank makes them, in the same
-order.
+shard of every parameter and gradient. A parameter is gathered in one
+pipeline: its shard is leased in host memory (read from NVMe ahead of use by
+the scheduler, as any block), copied straight into this rank's slot of the
+gather buffer on the device (on a copy stream of its own on a GPU), the lease
+ended, and the buffer all-gathered in place, asynchronously. During an
+iteration the store gathers ahead: as one parameter is fetched, the next
+:data:`AHEAD` that the last iteration fetched after it (ahead.py) are issued
+too, within the budget, so each gather runs while the layers before it
+compute. A gradient is reduce-scattered to the rank's shard of the mean,
+also asynchronously (the add into its block waits for it), before it is
+accumulated; and the optimizer steps each rank's shards (a flat parameter per
+partition, :attr:`Partition.step_param`). The gathered buffers, those in use
+and those on their way, are bounded by the device budget (less a page for
+the device tier, which holds nothing then), so a rank's device never holds
+more than ``tierflow.device_memory``. Whole-parameter reads (a checkpoint,
+``state_dict``) gather too: every rank makes them, in the same order.
 
 The hooks that decide *when* to fetch and release live in hooks.py; this
 module owns the store and the bookkeeping, and is the only one that touches
@@ -42,6 +47,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import itertools
 import math
 import os
 import weakref
@@ -52,9 +58,13 @@ import torch
 
 from tierflow import _core, _lifetime
 from tierflow.errors import TierflowError
-from tierflow.zero.comm import Group
+from tierflow.zero.ahead import FetchOrder
+from tierflow.zero.comm import Group, Pending
 from tierflow.zero.copies import copy_into, norm_sq
 from tierflow.zero.plan import PAGE, Plan, format_bytes, pages
+
+#: Gathers issued ahead of their fetch, at most (several ranks).
+AHEAD = 2
 
 __all__ = ["ParamStore", "Partition", "StoredParameter", "NotGatheredError"]
 
@@ -270,11 +280,9 @@ class ParamStore:
         # A file no larger than the blocks need; a block larger than one gets a file of its own.
         files = {"file_size": max(PAGE, min(256 << 20, pages(nvme_bytes)))} if needs_nvme else {}
         # One rank: the device tier holds the parameters themselves. Several:
-        # it holds the shards on their way (the budget ÷ 2·world_size: one is
-        # held only while it is gathered, the others are prefetches), and the
-        # gathered parameters take the rest — at least 3/4 of the budget, so
-        # the plan's minimum (twice the working set) holds them with room.
-        tier_budget = plan.device_budget if world == 1 else max(PAGE, pages(plan.device_budget // (2 * world)))
+        # the shards go from host memory straight into their gather buffers,
+        # which take the whole budget but the device tier's one page.
+        tier_budget = plan.device_budget if world == 1 else PAGE
         self.gather_budget = plan.device_budget if world == 1 else plan.device_budget - tier_budget
         # Hooks run one at a time, so no lease ends while one is waited on: fail such waits, never hang.
         self.store = _core.Store(plan.host_budget, nvme_dir=nvme_dir,
@@ -294,7 +302,15 @@ class ParamStore:
         self._resident_bytes = 0
         self.gathered_high_water = 0  # bytes of gathered parameters held at once, at most
         self._scheduled: set = set()  # leases taken through the scheduler (released through it)
-        self._retiring: collections.deque = collections.deque()  # (event, device lease) released on a GPU
+        self._retiring: collections.deque = collections.deque()  # (event, lease) released on a GPU
+        # Several ranks: the gathers issued ahead of their fetch (partition
+        # index -> Pending), in issue order, and the gather buffers' bytes.
+        self._order = FetchOrder()
+        self._ahead: dict[int, Pending] = {}
+        self._ahead_bytes = 0
+        self._copy_stream: Any = None  # a GPU's stream for the shards' copies into their slots
+        self.gathered_ahead = 0   # gathers issued ahead of their fetch
+        self.gathers_dropped = 0  # of those, dropped unused (an order departed from, room needed)
         self.in_iteration = False
         self.closed = False
         _lifetime.track(self)
@@ -390,6 +406,9 @@ class ParamStore:
         """Makes ``part`` resident in the device tier (a no-op when it is)."""
         if part.resident:
             return
+        if part.sharded:
+            self._fetch_gathered(part)
+            return
         need = pages(part.nbytes)
         if self._resident_bytes + need > self.gather_budget:
             held = ", ".join(p.name for p in self._resident.values())
@@ -412,20 +431,104 @@ class ParamStore:
                 raise
             self._reap(wait=True)
             lease = self._lease(part.block, "device", "read")
-        if part.sharded:
-            try:
-                full = self.group.gather(self._local(lease, part))
-            finally:
-                self._unlease(lease, dirty=False)
-            part.gathered = full
-            view = full[: part.numel].view(part.shape)
-        else:
-            view = self._view(lease, part)
-            part.lease = lease
+        view = self._view(lease, part)
+        part.lease = lease
+        self._install(part, view, need)
+
+    def _install(self, part: Partition, view: torch.Tensor, need: int) -> None:
         set_data(part.param, view)
         self._resident[view.untyped_storage().data_ptr()] = part
         self._resident_bytes += need
-        self.gathered_high_water = max(self.gathered_high_water, self._resident_bytes)
+        self.gathered_high_water = max(self.gathered_high_water, self._resident_bytes + self._ahead_bytes)
+
+    # ---- gathers (several ranks) --------------------------------------------------------------
+
+    def _fetch_gathered(self, part: Partition) -> None:
+        """:meth:`fetch` of a sharded parameter: its gather issued ahead, or
+        issued now; then the next ones ahead; then the wait for its own."""
+        need = pages(part.nbytes)
+        pending = self._ahead.pop(part.index, None)
+        if pending is not None:
+            self._ahead_bytes -= need
+        else:
+            if self._resident_bytes + self._ahead_bytes + need > self.gather_budget:
+                self._drain_ahead()  # the gathers on their way give their room back to this one
+            if self._resident_bytes + need > self.gather_budget:
+                held = ", ".join(p.name for p in self._resident.values())
+                raise RuntimeError(
+                    f"tierflow.device_memory: {format_bytes(self.plan.device_budget)} cannot hold '{part.name}' "
+                    f"({format_bytes(need)}) beside what this step holds at once "
+                    f"({format_bytes(self._resident_bytes)}: {held}); give at least "
+                    f"{self._resident_bytes + need + PAGE} bytes")
+            self._reap(wait=False)
+            pending = self._start_gather(part)
+        if self.in_iteration:
+            self._order.fetched(part.index)
+            self._gather_ahead()
+        full = pending.wait()
+        if full.is_cuda:  # made on the copy stream, read on the compute stream
+            full.record_stream(torch.cuda.current_stream(full.device))
+        part.gathered = full
+        self._install(part, full[: part.numel].view(part.shape), need)
+
+    def _start_gather(self, part: Partition) -> Pending:
+        """Issues ``part``'s gather: its shard leased in host memory, copied
+        into this rank's slot of a new gather buffer, the lease ended (on a
+        GPU once the copy is done), and the buffer all-gathered in place."""
+        world = self.group.world_size
+        cuda = self.device.type == "cuda"
+        if cuda and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream = contextlib.nullcontext() if not cuda else torch.cuda.stream(self._copy_stream)
+        lease = self._lease(part.block, "host", "read")
+        try:
+            with stream:
+                full = torch.empty(part.shard_numel * world, dtype=part.dtype, device=self.device)
+                slot = self.group.slot(full)
+                slot.copy_(self._local(lease, part), non_blocking=cuda)
+                if cuda:
+                    copied = torch.cuda.Event()
+                    copied.record(self._copy_stream)
+                    self._retiring.append((copied, lease))  # ended once the copy is done (_reap)
+                    lease = None
+                # The collective starts after the copy: on a GPU, on the copy
+                # stream (torch.distributed's orders itself after it).
+                return self.group.gather_in_place(full)
+        finally:
+            if lease is not None:
+                self._unlease(lease, dirty=False)
+
+    def _gather_ahead(self) -> None:
+        """Issues the gathers of the next :data:`AHEAD` fetches the last
+        iteration made after this point, within the gather budget."""
+        for index in itertools.islice(self._order.upcoming(), AHEAD):
+            if index in self._ahead or index >= len(self.parts):
+                continue
+            part = self.parts[index]
+            need = pages(part.nbytes)
+            if part.resident or not part.sharded:
+                continue
+            if self._resident_bytes + self._ahead_bytes + need > self.gather_budget:
+                return
+            self._ahead[index] = self._start_gather(part)
+            self._ahead_bytes += need
+            self.gathered_ahead += 1
+            self.gathered_high_water = max(self.gathered_high_water, self._resident_bytes + self._ahead_bytes)
+
+    def _drain_ahead(self) -> None:
+        """Waits for the gathers issued ahead and drops them (their parameter
+        is gathered again when fetched): their room goes back to the budget.
+        Raises the first one's error, after waiting for them all."""
+        ahead, self._ahead, self._ahead_bytes = self._ahead, {}, 0
+        error = None
+        for pending in ahead.values():
+            try:
+                pending.wait()
+            except BaseException as e:  # noqa: BLE001 - every one waited for, the first error raised
+                error = error or e
+            self.gathers_dropped += 1
+        if error is not None:
+            raise error
 
     def release(self, part: Partition) -> None:
         """Ends ``part``'s residency: ``.data`` is the placeholder again. On a
@@ -509,7 +612,10 @@ class ParamStore:
             if not (keep_persistent and part.persistent):
                 self.release(part)
         if not keep_persistent:
-            self._reap(wait=True)
+            try:
+                self._drain_ahead()
+            finally:
+                self._reap(wait=True)
 
     @property
     def gathered_bytes(self) -> int:
@@ -548,13 +654,17 @@ class ParamStore:
         if not self.in_iteration:
             self._scheduled = set()
             self.scheduler.begin_iteration()
+            self._order.begin()
             self.in_iteration = True
 
     def end_iteration(self) -> None:
         if self.in_iteration:
-            self.release_all(keep_persistent=False)
-            self.scheduler.end_iteration()
-            self.in_iteration = False
+            try:
+                self.release_all(keep_persistent=False)
+            finally:
+                self._order.end()
+                self.scheduler.end_iteration()
+                self.in_iteration = False
 
     # ---- gradients ----------------------------------------------------------------------------
 
@@ -686,7 +796,10 @@ class ParamStore:
         """This rank's share of ``grad`` (with several ranks, its shard of the
         mean over them) on its way to host memory: :meth:`_download`."""
         if part.sharded:
-            grad = self.group.reduce_scatter_mean(grad.reshape(-1), part.shard_numel)
+            pending = self.group.reduce_scatter_mean(grad.detach().reshape(-1), part.shard_numel)
+            if not pending.done:  # on tierflow's communicator: the add waits for it
+                return pending.output, pending
+            grad = pending.wait()
         return self._download(grad.detach())
 
     def _download(self, grad: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -832,8 +945,11 @@ class ParamStore:
         parameters keep their placeholders; the store is no longer theirs."""
         if self.closed:
             return
-        self.end_iteration()
-        self.release_all(keep_persistent=False)
+        try:
+            self.end_iteration()
+            self.release_all(keep_persistent=False)
+        finally:
+            self.group.close()
         self.store.close()
         self.closed = True
         for part in self.parts:  # no cycle keeps the store alive past its engine

@@ -250,6 +250,11 @@ class PartitionedRuntime:
         if self.group.world_size > 1:  # the parameters gathered from every rank's shards
             out["tiers"]["gathered"] = {"budget": self.params.gather_budget, "used": self.params.gathered_bytes,
                                         "high_water": self.params.gathered_high_water}
+            # Who ran the collectives, and the gathers issued ahead of their use.
+            out["collectives"] = {"by": self.group.collectives, "tierflow": self.group.counts["tierflow"],
+                                  "torch": self.group.counts["torch"],
+                                  "gathered_ahead": self.params.gathered_ahead,
+                                  "ahead_dropped": self.params.gathers_dropped}
         out["scheduler"] = self.params.scheduler.stats
         optimizer = self.state.memory_stats()
         if optimizer is not None:
