@@ -515,10 +515,11 @@ class ParamStore:
             self.gathered_ahead += 1
             self.gathered_high_water = max(self.gathered_high_water, self._resident_bytes + self._ahead_bytes)
 
-    def _drain_ahead(self) -> None:
+    def _drain_ahead(self, *, quiet: bool = False) -> None:
         """Waits for the gathers issued ahead and drops them (their parameter
         is gathered again when fetched): their room goes back to the budget.
-        Raises the first one's error, after waiting for them all."""
+        Raises the first one's error, after waiting for them all (unless
+        ``quiet``: closing after a failure the caller has seen)."""
         ahead, self._ahead, self._ahead_bytes = self._ahead, {}, 0
         error = None
         for pending in ahead.values():
@@ -527,7 +528,7 @@ class ParamStore:
             except BaseException as e:  # noqa: BLE001 - every one waited for, the first error raised
                 error = error or e
             self.gathers_dropped += 1
-        if error is not None:
+        if error is not None and not quiet:
             raise error
 
     def release(self, part: Partition) -> None:
@@ -946,6 +947,7 @@ class ParamStore:
         if self.closed:
             return
         try:
+            self._drain_ahead(quiet=True)  # a failed gather was raised where it was waited for
             self.end_iteration()
             self.release_all(keep_persistent=False)
         finally:
