@@ -184,6 +184,7 @@ peer_copy_group::peer_copy_group(std::vector<int> devices, std::vector<CUstream_
   s.telemetry = std::move(telemetry);
   if (streams.empty()) {
     for (const int d : s.devices) {
+      const cuda_device_scope on(d);  // (cuda_stream makes its device current)
       s.own.emplace_back(d);
       s.streams.push_back(s.own.back().get());
     }

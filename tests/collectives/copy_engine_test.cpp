@@ -254,6 +254,20 @@ std::vector<std::byte> download(const void* src, std::size_t bytes) {
 
 const tf::dtype every_dtype[] = {tf::dtype::fp32, tf::dtype::bf16, tf::dtype::fp16};
 
+TEST(PeerCopy, WithoutADeviceMakingAGroupIsAnEnvironmentErrorNotAUserError) {
+  if (gpu_present()) GTEST_SKIP() << "a CUDA device is here: the other tests run on it";
+  try {
+    tc::peer_copy_group group({0});
+    FAIL() << "made a peer_copy_group without a device";
+  } catch (const tf::user_error& e) {
+    FAIL() << "no device is an environment failure, not a user error: " << e.what();
+  } catch (const tf::error& e) {
+    EXPECT_NE(std::string(e.what()).find("cudaGetDeviceCount"), std::string::npos) << e.what();
+  }
+  const int devices[] = {0};
+  EXPECT_THROW(tc::probe_ce_topology(devices), tf::error);
+}
+
 TEST(PeerCopy, AllGatherOfUnevenShardsToSelfIsExactInEveryDtype) {
   if (!gpu_present()) GTEST_SKIP() << "no CUDA device here: the peer copies run on a GPU";
   // Three members on device 0: each one's output gets every input, by copies to self.
