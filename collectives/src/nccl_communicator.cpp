@@ -221,7 +221,11 @@ class nccl_work final : public work {
     } else {
       state_->poll_locked(what_);
     }
-    return finished_;  // (break_locked settled it)
+    if (!finished_ && state_->broken) {  // (break_locked settled it, unless it broke before this was listed)
+      finished_ = true;
+      error_ = state_->broken;
+    }
+    return finished_;
   }
 
   std::shared_ptr<nccl_state> state_;
@@ -593,7 +597,11 @@ ce_crossover measure_ce_crossover(int device, const crossover_sweep& sweep) {
   // fp32 elements; the few bytes a size not a multiple of 4 would leave are not moved.
   const auto sm = [&](std::size_t bytes) {
     const std::size_t counts[1] = {bytes / 4};
-    nccl->all_gather(in.get(), out.get(), counts, dtype::fp32)->wait();
+    const work_ptr w = nccl->all_gather(in.get(), out.get(), counts, dtype::fp32);
+    // Waited for as the copies are (cudaEventSynchronize's way, not the
+    // polling wait()'s sleeps, which would add to NCCL's time).
+    TF_CUDA_CHECK(cudaStreamSynchronize(nccl->stream()), error_context{"cudaStreamSynchronize"}.in_tier("device"));
+    w->wait();  // (done: throws only if it failed)
   };
   const auto ce = [&](std::size_t bytes) {
     const std::size_t counts[1] = {bytes / 4};

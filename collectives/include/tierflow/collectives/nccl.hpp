@@ -88,9 +88,11 @@ class nccl_communicator : public communicator {
   // allocator: symmetric windows need its kind) as a symmetric window, for
   // NCCL's copy-engine collectives. Collective: every rank calls it, in the
   // same order, with the same size. Returns false (and counts
-  // window_registration_failed) where NCCL refuses it; the collectives on
-  // that buffer then run on SMs. Throws user_error for an unaligned buffer.
-  // The window lives as long as the communicator.
+  // window_registration_failed) where NCCL refuses it: the collectives on
+  // that buffer then run on SMs — unless the refusal left NCCL's
+  // communicator in error, which breaks this one as a failed collective
+  // would (naming register_window). Throws user_error for an unaligned
+  // buffer. The window lives as long as the communicator.
   virtual bool register_window(void* buffer, std::size_t bytes) = 0;
 
  protected:
