@@ -303,6 +303,11 @@ TEST(Nccl, CopyEngineModeRunsOnASymmetricWindowOrSaysWhyNot) {
   EXPECT_THROW(comm->register_window(static_cast<std::byte*>(window.get()) + 4, 4096), tf::user_error);
   const bool registered = comm->register_window(window.get(), window.size());
   EXPECT_EQ(telemetry->snapshot().window_registration_failed, registered ? 0u : 1u);
+  // What the policy makes of this communicator, for ranks on NVLink in other processes.
+  const tc::ce_policy policy({.ranks = 2, .one_node = true, .one_process = false, .links = tc::link_kind::nvlink},
+                             {.bytes = 0, .overlapped_bytes = 0}, tc::capabilities(*comm, registered), telemetry);
+  EXPECT_EQ(policy.choose(tc::collective::all_gather, n * 4, tc::compute_overlap::no),
+            has_ce && registered ? tc::ce_path::nccl_copy_engine : tc::ce_path::nccl_sm);
   std::vector<float> values(n);
   for (std::size_t i = 0; i < n; ++i) values[i] = value(0, i);
   device_buffer in(n * 4);

@@ -115,6 +115,15 @@ std::unique_ptr<nccl_communicator> make_nccl_communicator(const nccl_options& op
 // 2.28.9), 0 when built without NCCL.
 int nccl_version() noexcept;
 
+// What `comm` offers ce_policy: the runtime NCCL's version and whether it
+// runs with cta_policy::zero; `window_registered` as register_window said
+// for the buffer the collectives receive into.
+inline ce_capabilities capabilities(const nccl_communicator& comm, bool window_registered) {
+  return {.nccl_version = nccl_version(),
+          .nccl_zero_cta = comm.policy() == cta_policy::zero,
+          .window_registered = window_registered};
+}
+
 // Device memory from NCCL's allocator (ncclMemAlloc), which symmetric
 // windows need; move-only, freed with ncclMemFree. On the current device.
 class nccl_memory {
