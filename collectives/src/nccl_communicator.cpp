@@ -165,7 +165,8 @@ class nccl_work final : public work {
  public:
   nccl_work(std::shared_ptr<nccl_state> state, std::string what, cuda_event event, clock::time_point deadline)
       : state_(std::move(state)), what_(std::move(what)), event_(std::move(event)), deadline_(deadline) {}
-  // Already failed (the communicator was broken when it was issued).
+  // Already finished: failed (the communicator was broken when it was
+  // issued), or done (a collective of nothing, which NCCL is not asked for).
   nccl_work(std::shared_ptr<nccl_state> state, std::string what, std::exception_ptr failed)
       : state_(std::move(state)), what_(std::move(what)), finished_(true), error_(std::move(failed)) {}
 
@@ -411,7 +412,8 @@ class nccl_communicator_impl final : public nccl_communicator {
     return {counts.begin(), counts.end()};
   }
 
-  // Enqueues one collective (`enqueue`, null for one of nothing), waits
+  // Enqueues one collective (`enqueue`; null for one of nothing, done at
+  // once, as in the Gloo backend), waits
   // for NCCL to have enqueued it (non-blocking: ncclInProgress until the
   // kernels are on the stream, and no CUDA call may touch the stream
   // before), and records its event.
@@ -420,15 +422,23 @@ class nccl_communicator_impl final : public nccl_communicator {
     const auto deadline = clock::now() + state_->timeout;
     std::lock_guard lock(state_->mutex);
     if (state_->broken) return std::make_shared<nccl_work>(state_, what, state_->broken);
-    const cuda_device_scope on(device());
-    if constexpr (!std::is_same_v<Enqueue, std::nullptr_t>) {
+    if constexpr (std::is_same_v<Enqueue, std::nullptr_t>) {
+      return std::make_shared<nccl_work>(state_, what, std::exception_ptr{});  // (nothing to move: done)
+    } else {
+      const cuda_device_scope on(device());
       ncclResult_t rc = enqueue(state_->comm);
       if (rc == ncclInProgress) rc = settle(state_->comm, deadline);
       if (rc == ncclInProgress)
         return failed(what, "not enqueued within the timeout of " + std::to_string(state_->timeout.count()) +
                                 " ms; aborted");
       if (rc != ncclSuccess) return failed(what, nccl_text(rc, state_->comm));
+      return recorded(what, deadline);
     }
+  }
+
+  // The work of a collective just enqueued: an event recorded after it.
+  // Needs the mutex, and the communicator's device current.
+  work_ptr recorded(const std::string& what, clock::time_point deadline) {
     cuda_event event = cuda_event::create();
     if (const cudaError_t rc = cudaEventRecord(event.get(), stream()); rc != cudaSuccess) {
       (void)cudaGetLastError();

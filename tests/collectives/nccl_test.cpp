@@ -368,6 +368,7 @@ struct worker_job {
 };
 
 void worker_collectives(const worker_job& job) {
+  check_cuda(cudaSetDevice(job.rank), "cudaSetDevice");  // (the test's buffers on the rank's device)
   tc::nccl_options options;
   options.rank = job.rank;
   options.size = job.size;
@@ -425,6 +426,7 @@ void worker_collectives(const worker_job& job) {
 // Rank 1 joins and exits; rank 0's all_reduce must fail within the
 // timeout, and break the communicator for what follows.
 void worker_silent_peer(const worker_job& job) {
+  check_cuda(cudaSetDevice(job.rank), "cudaSetDevice");  // (the test's buffers on the rank's device)
   tc::nccl_options options;
   options.rank = job.rank;
   options.size = job.size;
