@@ -196,7 +196,8 @@ void prefetch_scheduler::prefetch_from(std::size_t position) {
                                            static_cast<double>(store_.tier_of(kind).budget()));
   }
   std::unordered_map<std::uint64_t, bool> counted;
-  for (std::size_t j = position; j < end && j < position + n; ++j) {
+  std::size_t j = position;
+  for (; j < end && j < position + n; ++j) {
     const block_access& a = schedule_[j % n];
     const std::uint64_t k = key_of(a);
     if (!counted.emplace(k, true).second) continue;
@@ -211,6 +212,7 @@ void prefetch_scheduler::prefetch_from(std::size_t position) {
       prefetched_until_ = j + 1;
     }
   }
+  prefetch_window_ = j - position;
   if (staging_room_ > 0) stage_from(position);
 }
 
@@ -263,7 +265,14 @@ void prefetch_scheduler::release(lease&& l, dirty d) {
   const bool kept = staging_room_ > 0 && written && done.where == tier_kind::host &&
                     index_of(store_.describe(done.block).home) > index_of(tier_kind::host) &&
                     next_block_use_[p] <= staging_window_;
-  if (!kept && next_use_[p] > horizon) store_.evict(done.block, done.where);
+  // A copy read in the host tier of a block homed below it (a ZeRO-3 shard on
+  // its way to its gather) makes room for the next prefetches unless its next
+  // use falls within the window the budget lets them cover: kept for a use
+  // further away, it would only be evicted for them, or evict them, first.
+  const bool read_through = !written && done.where == tier_kind::host &&
+                            index_of(store_.describe(done.block).home) > index_of(tier_kind::host);
+  if (!kept && (next_use_[p] > horizon || (read_through && next_use_[p] > prefetch_window_)))
+    store_.evict(done.block, done.where);
   // A staged copy makes room for the next ones unless it is used again soon.
   if (staging_room_ > 0 && next_use_[p] > staging_window_ && staged_kind(done))
     store_.evict(done.block, tier_kind::host);

@@ -124,6 +124,28 @@ std::uint64_t link_bytes(const block_store& store, const std::string& name) {
   return 0;
 }
 
+// A reuse distance longer than the host tier can hold (DeepSpeed's
+// stage3_max_reuse_distance, given to a ZeRO-3 run whose shards stream from
+// NVMe through host memory): a released copy is evicted all the same, so that
+// the prefetches have their room, and every block is read once an iteration —
+// not twice, as when kept copies and prefetches evicted each other.
+TEST(Scheduler, ReadsEachBlockOnceAnIterationWhateverTheReuseDistance) {
+  testing::temp_dir dir;
+  auto store = make_test_store(dir.path(), 4 * mib);  // 4 of the 16 blocks
+  const auto ids = make_blocks(*store, 16, mib, "shard");
+  prefetch_scheduler sched(*store, {.evict_distance = 1000});
+  run_iteration(sched, ids, std::chrono::milliseconds(1));  // recorded
+  // Each steady iteration's end prefetches the next one's first blocks:
+  // counted from the end of one, iterations are whole.
+  run_iteration(sched, ids, std::chrono::milliseconds(1));
+  const std::uint64_t before = link_bytes(*store, "nvme->host");
+  constexpr int steady_iterations = 3;
+  for (int i = 0; i < steady_iterations; ++i) run_iteration(sched, ids, std::chrono::milliseconds(1));
+  EXPECT_EQ(link_bytes(*store, "nvme->host") - before, steady_iterations * ids.size() * mib);
+  EXPECT_GT(store->telemetry().prefetches, 0u);
+  for (const auto& tier : store->telemetry().tiers) EXPECT_LE(tier.high_water, tier.budget) << tier.name;
+}
+
 void run_on_device(prefetch_scheduler& s, const std::vector<block_id>& order) {
   s.begin_iteration();
   for (const block_id id : order) {

@@ -7,7 +7,10 @@
 // the scheduler
 //   1. hints the store to prefetch the next accesses within the lookahead,
 //   2. waits for this access's lease (the wait is the stall, measured),
-//   3. on release, evicts the copy when its next use lies beyond the horizon.
+//   3. on release, evicts the copy when its next use lies beyond the horizon
+//      (and a host copy, read there, of a block homed on NVMe when its next
+//      use lies beyond what the budget lets the prefetches cover: a longer
+//      reuse distance cannot be held, and holding it would evict them).
 //
 // Staging (staging_share > 0) is a second, longer window for blocks homed
 // below the host tier (on NVMe) and used above it (on the device): their
@@ -132,6 +135,7 @@ class prefetch_scheduler {
   std::size_t prefetched_until_ = 0;    // accesses [position_, prefetched_until_) were hinted
   std::size_t staged_until_ = 0;        // accesses [position_, staged_until_) were staged
   std::size_t staging_window_ = 0;      // accesses the last staging pass covered
+  std::size_t prefetch_window_ = 0;     // accesses the last prefetch pass covered (within its budgets)
   std::uint64_t staging_room_ = 0;      // the host tier's room for staging, this iteration
   bool departed_ = false;
   bool in_iteration_ = false;
