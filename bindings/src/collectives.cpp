@@ -32,9 +32,22 @@ namespace {
 namespace tc = tierflow::collectives;
 
 // A Python store (set(key, bytes), get(key) -> bytes, blocking until set).
+// The communicator keeps it, and may drop it on a thread without the GIL
+// (close() waits for the collectives with the GIL released): the reference
+// is dropped with the GIL taken.
 class python_store final : public tc::rendezvous_store {
  public:
   explicit python_store(nb::object store) : store_(std::move(store)) {}
+  python_store(const python_store&) = delete;
+  python_store& operator=(const python_store&) = delete;
+  ~python_store() override {
+    if (!Py_IsInitialized()) {
+      (void)store_.release();  // the interpreter is gone: nothing left to free it in
+      return;
+    }
+    nb::gil_scoped_acquire gil;
+    store_.reset();
+  }
 
   void set(const std::string& key, const std::vector<char>& value) override {
     nb::gil_scoped_acquire gil;
