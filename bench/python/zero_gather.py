@@ -35,20 +35,11 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-
-def slowest(work) -> float:
-    """The seconds ``work()`` took on the slowest rank, between barriers."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    work()
-    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+from fsdp2_step import slowest_rank_seconds as slowest  # (this directory: the script's)
 
 
 def build(args, collectives: str):

@@ -410,14 +410,7 @@ class ParamStore:
             self._fetch_gathered(part)
             return
         need = pages(part.nbytes)
-        if self._resident_bytes + need > self.gather_budget:
-            held = ", ".join(p.name for p in self._resident.values())
-            raise RuntimeError(
-                f"tierflow.device_memory: {format_bytes(self.plan.device_budget)} cannot hold '{part.name}' "
-                f"({format_bytes(need)}) beside what this step holds at once ({format_bytes(self._resident_bytes)}: "
-                f"{held}); give at least {self._resident_bytes + need} bytes"
-                + (f" to the gathered parameters (the budget less {format_bytes(self.plan.device_budget - self.gather_budget)} "
-                   "for the shards on their way)" if part.sharded else ""))
+        self._check_room(part, need)
         self._reap(wait=False)
         try:
             lease = self._lease(part.block, "device", "read")
@@ -434,6 +427,19 @@ class ParamStore:
         view = self._view(lease, part)
         part.lease = lease
         self._install(part, view, need)
+
+    def _check_room(self, part: Partition, need: int) -> None:
+        """Raises unless the device budget holds ``need`` more bytes of
+        ``part`` beside what this step holds (the gathered parameters' share:
+        all but the device tier's, with several ranks)."""
+        if self._resident_bytes + need <= self.gather_budget:
+            return
+        held = ", ".join(p.name for p in self._resident.values())
+        least = self._resident_bytes + need + (self.plan.device_budget - self.gather_budget)
+        raise RuntimeError(
+            f"tierflow.device_memory: {format_bytes(self.plan.device_budget)} cannot hold '{part.name}' "
+            f"({format_bytes(need)}) beside what this step holds at once ({format_bytes(self._resident_bytes)}: "
+            f"{held}); give at least {least} bytes")
 
     def _install(self, part: Partition, view: torch.Tensor, need: int) -> None:
         set_data(part.param, view)
@@ -453,13 +459,7 @@ class ParamStore:
         else:
             if self._resident_bytes + self._ahead_bytes + need > self.gather_budget:
                 self._drain_ahead()  # the gathers on their way give their room back to this one
-            if self._resident_bytes + need > self.gather_budget:
-                held = ", ".join(p.name for p in self._resident.values())
-                raise RuntimeError(
-                    f"tierflow.device_memory: {format_bytes(self.plan.device_budget)} cannot hold '{part.name}' "
-                    f"({format_bytes(need)}) beside what this step holds at once "
-                    f"({format_bytes(self._resident_bytes)}: {held}); give at least "
-                    f"{self._resident_bytes + need + PAGE} bytes")
+            self._check_room(part, need)
             self._reap(wait=False)
             pending = self._start_gather(part)
         if self.in_iteration:
