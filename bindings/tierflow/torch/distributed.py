@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from tierflow import _gloo
 from tierflow._core import GlooCommunicator
 
 __all__ = ["BACKEND", "ProcessGroupTierflow", "AllGather", "ReduceScatter"]
@@ -42,7 +43,6 @@ __all__ = ["BACKEND", "ProcessGroupTierflow", "AllGather", "ReduceScatter"]
 #: The backend's name for ``torch.distributed.init_process_group``.
 BACKEND = "tierflow"
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OPS = {dist.ReduceOp.RedOpType.SUM: "sum", dist.ReduceOp.RedOpType.AVG: "sum",
         dist.ReduceOp.RedOpType.MAX: "max", dist.ReduceOp.RedOpType.MIN: "min"}
 
@@ -58,7 +58,7 @@ def _op(op: Any, collective: str) -> tuple[str, bool]:
 
 def _check(tensors: Sequence[torch.Tensor], collective: str) -> None:
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype not in _DTYPES:
+        if not _gloo.moves(t):
             raise NotImplementedError(
                 f"tierflow backend: {collective} of a {t.dtype} tensor on {t.device} (it moves float32, bfloat16 "
                 "and float16 CPU tensors; give this device another backend, e.g. \"cpu:tierflow,cuda:nccl\")")
@@ -149,7 +149,7 @@ class ProcessGroupTierflow(dist.ProcessGroup):
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> None:
         super().__init__(rank, size)
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-        self.comm = GlooCommunicator(rank, size, store=store, prefix=BACKEND, timeout=seconds)
+        self.comm = _gloo.connect(rank, size, store, BACKEND, seconds)
 
     # The names torch.distributed gives the group (its pybind trampoline
     # asks these of a Python group).
@@ -333,8 +333,7 @@ def _communicator_of(group: dist.ProcessGroup, timeout: float) -> GlooCommunicat
         comm = _communicators.get(name)
         if comm is None:
             store = dist.distributed_c10d._get_default_store()
-            comm = GlooCommunicator(group.rank(), group.size(), store=store, prefix=f"tierflow-fsdp/{name}",
-                                    timeout=timeout)
+            comm = _gloo.connect(group.rank(), group.size(), store, f"tierflow-fsdp/{name}", timeout)
             _communicators[name] = comm
         return comm
 

@@ -35,18 +35,16 @@ or a communicator.
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Any
 
 import torch
+
+from tierflow import _gloo
 
 __all__ = ["Group", "Pending", "current_group", "COLLECTIVES"]
 
 #: ``tierflow.collectives``'s values.
 COLLECTIVES = ("tierflow", "torch")
-
-# The dtypes tierflow's communicators move.
-_COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Communicators made in this process, in order: every rank makes its groups'
 # in the same order, so the n-th one's keys in the store are the same on each.
@@ -132,7 +130,7 @@ class Group:
         else None (torch.distributed's)."""
         if not self.active or self.collectives == "torch":
             return None
-        if all(t.device.type == "cpu" and t.dtype in _COMM_DTYPES for t in tensors):
+        if all(_gloo.moves(t) for t in tensors):
             if self._comm is None:
                 self._comm = self._connect()
             self.counts["tierflow"] += 1
@@ -141,21 +139,13 @@ class Group:
 
     def _connect(self) -> Any:
         """tierflow's Gloo communicator over this group's ranks, meeting
-        through the process group's store (``TIERFLOW_GLOO_HOSTNAME``: the
-        address this rank listens on; 127.0.0.1 when every rank is on this
-        node, this host's name otherwise)."""
-        from tierflow._core import GlooCommunicator
-
+        through the process group's store."""
         dist = self._dist
-        store = dist.distributed_c10d._get_default_store()
         ranks = dist.get_process_group_ranks(self.process_group) if self.process_group is not None \
             else range(self.world_size)
         prefix = f"tierflow/zero/{next(_made)}/" + ",".join(map(str, ranks))
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        hostname = os.environ.get("TIERFLOW_GLOO_HOSTNAME") or (
-            "127.0.0.1" if local >= int(os.environ.get("WORLD_SIZE", self.world_size)) else _hostname())
-        return GlooCommunicator(self.rank, self.world_size, store=store, prefix=prefix, hostname=hostname,
-                                timeout=self.timeout)
+        return _gloo.connect(self.rank, self.world_size, dist.distributed_c10d._get_default_store(), prefix,
+                             self.timeout)
 
     def close(self) -> None:
         """Leaves tierflow's communicator (it waits for what is under way);
@@ -280,12 +270,6 @@ class Group:
 
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, world_size={self.world_size}, collectives={self.collectives!r})"
-
-
-def _hostname() -> str:
-    import socket
-
-    return socket.gethostname()
 
 
 def current_group(options: Any = None) -> Group:
