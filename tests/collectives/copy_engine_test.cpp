@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "dtype_values.hpp"
 #include "tierflow/collectives/copy_engine.hpp"
 #include "tierflow/core/error.hpp"
 
@@ -25,6 +26,10 @@ namespace tf = tierflow;
 namespace tc = tierflow::collectives;
 
 namespace {
+
+using tierflow::collectives::testing::decode16;
+using tierflow::collectives::testing::encode;
+using tierflow::collectives::testing::encode16;
 
 constexpr std::size_t KiB = 1024, MiB = 1024 * KiB;
 
@@ -212,24 +217,7 @@ bool gpu_present() {
   return present;
 }
 
-std::uint16_t encode16(tf::dtype t, float v) {
-  if (t == tf::dtype::bf16) return static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(v) >> 16);
-  return std::bit_cast<std::uint16_t>(static_cast<_Float16>(v));
-}
 
-// `values` in dtype `t`, as bytes.
-std::vector<std::byte> encode(tf::dtype t, const std::vector<float>& values) {
-  std::vector<std::byte> bytes(values.size() * tf::size_of(t));
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    if (t == tf::dtype::fp32) {
-      std::memcpy(bytes.data() + 4 * i, &values[i], 4);
-    } else {
-      const std::uint16_t bits = encode16(t, values[i]);
-      std::memcpy(bytes.data() + 2 * i, &bits, 2);
-    }
-  }
-  return bytes;
-}
 
 // Device memory of the test, freed at its end.
 struct device_buffer {

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "dtype_values.hpp"
 #include "tierflow/collectives/gloo.hpp"
 #include "tierflow/core/error.hpp"
 
@@ -29,17 +30,13 @@ using namespace std::chrono_literals;
 
 namespace {
 
+using tierflow::collectives::testing::decode16;
+using tierflow::collectives::testing::encode;
+using tierflow::collectives::testing::encode16;
+
 // ---- values in each dtype ---------------------------------------------------------------------
 
-std::uint16_t encode16(tf::dtype t, float v) {
-  if (t == tf::dtype::bf16) return static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(v) >> 16);  // exact for small ints
-  return std::bit_cast<std::uint16_t>(static_cast<_Float16>(v));
-}
 
-float decode16(tf::dtype t, std::uint16_t bits) {
-  if (t == tf::dtype::bf16) return std::bit_cast<float>(std::uint32_t{bits} << 16);
-  return static_cast<float>(std::bit_cast<_Float16>(bits));
-}
 
 // A buffer of `n` elements of `t`, read and written as floats.
 struct buffer {

@@ -33,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "dtype_values.hpp"
 #include "tierflow/collectives/nccl.hpp"
 #include "tierflow/core/error.hpp"
 
@@ -46,6 +47,10 @@ using namespace std::chrono_literals;
 
 namespace {
 
+using tierflow::collectives::testing::decode16;
+using tierflow::collectives::testing::encode;
+using tierflow::collectives::testing::encode16;
+
 #if TIERFLOW_WITH_NCCL
 
 // ---- values and device buffers ----------------------------------------------------------------
@@ -53,23 +58,7 @@ namespace {
 const tf::dtype every_dtype[] = {tf::dtype::fp32, tf::dtype::bf16, tf::dtype::fp16};
 const tc::reduce_op every_op[] = {tc::reduce_op::sum, tc::reduce_op::max, tc::reduce_op::min};
 
-std::uint16_t encode16(tf::dtype t, float v) {
-  if (t == tf::dtype::bf16) return static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(v) >> 16);  // exact for small ints
-  return std::bit_cast<std::uint16_t>(static_cast<_Float16>(v));
-}
 
-std::vector<std::byte> encode(tf::dtype t, const std::vector<float>& values) {
-  std::vector<std::byte> bytes(values.size() * tf::size_of(t));
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    if (t == tf::dtype::fp32) {
-      std::memcpy(bytes.data() + 4 * i, &values[i], 4);
-    } else {
-      const std::uint16_t bits = encode16(t, values[i]);
-      std::memcpy(bytes.data() + 2 * i, &bits, 2);
-    }
-  }
-  return bytes;
-}
 
 void require(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error(what);
