@@ -798,7 +798,7 @@ class ParamStore:
         mean over them) on its way to host memory: :meth:`_download`."""
         if part.sharded:
             pending = self.group.reduce_scatter_mean(grad.detach().reshape(-1), part.shard_numel)
-            if not pending.done:  # on tierflow's communicator: the add waits for it
+            if not pending.output.is_cuda:  # in host memory already: the add waits for the reduction
                 return pending.output, pending
             grad = pending.wait()
         return self._download(grad.detach())
