@@ -18,7 +18,8 @@ shard from NVMe again. Timed, each the slowest rank's, median of
   memory already holding the shard, every gather issued at once on
   tierflow's Gloo communicator (as fast as it gathers);
 * **the pipeline**: each parameter fetched and released as a forward does —
-  read, copied into its slot, gathered in place, the next ones ahead; with
+  its shard read from NVMe straight into its slot of the gather buffer,
+  gathered in place once the read is done, the next ones ahead; with
   tierflow's communicator, and with torch.distributed's gloo group running
   the same pipeline's collectives.
 
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
         before = read_bytes()
         ours = pipeline(args, store, parts)
         pipeline_per = (read_bytes() - before) / (1 + args.iterations)
-        ahead, dropped = store.gathered_ahead, store.gathers_dropped
+        ahead, dropped, direct = store.gathered_ahead, store.gathers_dropped, store.shards_read_into_slots
     finally:
         store.close()
     store, parts, _ = build(args, "torch")
@@ -168,14 +169,14 @@ def main(argv=None) -> int:
         print(f"pipeline over min(read, all-gather): {ratio:.2f} "
               f"({'meets' if ratio >= 0.8 else 'misses'} the target ≥ 0.8); "
               f"over torch.distributed's: {med['pipeline_torch'] / med['pipeline']:.2f}× faster; "
-              f"{ahead} gathers issued ahead, {dropped} dropped; read from NVMe a rank per iteration: "
+              f"{ahead} gathers issued ahead, {dropped} dropped, {direct} shards read straight into their slot; read from NVMe a rank per iteration: "
               f"{read_per / mib:.0f} MiB alone, {pipeline_per / mib:.0f} MiB in the pipeline")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world": world, "params": args.params, "numel": args.numel, "host_memory": host,
                            "seconds": {"read": read, "gather": gather, "pipeline": ours, "pipeline_torch": theirs},
                            "median_bytes_per_second": bw, "pipeline_over_bound": ratio,
-                           "gathered_ahead": ahead, "ahead_dropped": dropped,
+                           "gathered_ahead": ahead, "ahead_dropped": dropped, "shards_read_into_slots": direct,
                            "nvme_read_bytes_per_iteration": {"read": read_per, "pipeline": pipeline_per}}, f, indent=1)
     dist.destroy_process_group()
     return 0

@@ -20,6 +20,7 @@
 
 #include "arrays.hpp"
 #include "bindings.hpp"
+#include "work.hpp"
 #include "tierflow/collectives/gloo.hpp"
 #include "tierflow/core/error.hpp"
 
@@ -75,42 +76,6 @@ tc::reduce_op parse_op(const std::string& op) {
   throw user_error("op: '" + op + "' is not 'sum', 'max' or 'min'");
 }
 
-// A collective's completion, and the buffers it uses, kept alive until it is done.
-// A Work dropped before it is done waits for it first: the collective
-// still reads and writes its buffers.
-struct py_work {
-  tc::work_ptr work;
-  std::optional<const_buffer> in;  // (the views hold the tensors they came from)
-  std::optional<buffer> out;
-
-  py_work(tc::work_ptr w, std::optional<const_buffer> i, std::optional<buffer> o)
-      : work(std::move(w)), in(std::move(i)), out(std::move(o)) {}
-  py_work(py_work&& other) noexcept
-      : work(std::move(other.work)), in(std::move(other.in)), out(std::move(other.out)) {}
-  py_work(const py_work&) = delete;
-  py_work& operator=(const py_work&) = delete;
-  py_work& operator=(py_work&&) = delete;
-  ~py_work() {
-    if (work && !work->done()) {
-      nb::gil_scoped_release unlocked;
-      try {
-        work->wait();
-      } catch (...) {  // (its error was for wait() to raise; dropped unwaited, it goes with it)
-      }
-    }
-  }
-
-  void wait() {
-    {
-      nb::gil_scoped_release unlocked;
-      work->wait();
-    }
-    in.reset();
-    out.reset();
-  }
-  bool done() const { return work->done(); }
-};
-
 class py_communicator {
  public:
   py_communicator(int rank, int size, std::optional<nb::object> store, std::optional<std::string> store_dir,
@@ -141,11 +106,13 @@ class py_communicator {
     return *comm_;
   }
 
-  py_work all_gather(const const_buffer& in, buffer& out, const std::vector<std::size_t>& counts) {
+  py_work all_gather(const const_buffer& in, buffer& out, const std::vector<std::size_t>& counts,
+                     const py_work* after) {
     tc::communicator& c = comm();
     const dtype t = same_type(in, out, "all_gather");
     check_counts(counts, in.size(), out.size(), "all_gather", "input", "output");
-    auto w = c.all_gather(in.data(), out.data(), counts, t);
+    auto w = after != nullptr ? c.all_gather_after(after->work, in.data(), out.data(), counts, t)
+                              : c.all_gather(in.data(), out.data(), counts, t);
     return {std::move(w), in, out};
   }
 
@@ -208,10 +175,12 @@ class py_communicator {
 }  // namespace
 
 void bind_collectives(nb::module_& m) {
-  nb::class_<py_work>(m, "Work", "The completion of one collective on this rank (keeps its buffers alive).")
+  nb::class_<py_work>(m, "Work",
+      "The completion of one collective on this rank, or of a Lease.copy_into (keeps its\n"
+      "buffers alive; dropped unfinished, it waits first).")
       .def("wait", &py_work::wait,
-           "Blocks (the GIL released) until the collective has finished; raises its error\n"
-           "(TierflowError naming the rank and the collective) if it failed.")
+           "Blocks (the GIL released) until it has finished; raises its error (TierflowError\n"
+           "naming the rank and the collective, or the block and the file) if it failed.")
       .def_prop_ro("done", &py_work::done, "Whether it has finished, done or failed; never blocks.");
 
   nb::class_<py_communicator>(
@@ -231,9 +200,13 @@ void bind_collectives(nb::module_& m) {
            "one per communicator; `hostname`: the address this rank listens on.")
       .def_prop_ro("rank", &py_communicator::rank)
       .def_prop_ro("size", &py_communicator::size)
-      .def("all_gather", &py_communicator::all_gather, "input"_a, "output"_a, "counts"_a,
+      .def("all_gather", &py_communicator::all_gather, "input"_a, "output"_a, "counts"_a, nb::kw_only(),
+           "after"_a = nb::none(),
            "`output` (sum(counts) elements) becomes every rank's `input` (counts[rank] elements)\n"
-           "in rank order; counts may be uneven and 0.")
+           "in rank order; counts may be uneven and 0. `after`: a Work (Lease.copy_into's read of\n"
+           "the input, say) the gather waits for on the communicator's thread before it starts,\n"
+           "so it can be issued now; when that fails, the gather fails with its error and the\n"
+           "communicator is broken.")
       .def("reduce_scatter", &py_communicator::reduce_scatter, "input"_a, "output"_a, "counts"_a, "op"_a = "sum",
            "`output` (counts[rank] elements) becomes the reduction ('sum', 'max', 'min') over the\n"
            "ranks of their `input` (sum(counts) elements)'s slice for this rank.")

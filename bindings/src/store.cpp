@@ -42,6 +42,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "bindings.hpp"
+#include "work.hpp"
 #include "tierflow/core/block.hpp"
 #include "tierflow/core/error.hpp"
 #include "tierflow/core/lease.hpp"
@@ -166,6 +167,7 @@ class lease_handle {
     nb::gil_scoped_release unlocked;  // ending the lease takes the store's lock
     {
       lock_guard lock(mutex_);
+      wait_copies();
       lease_ = lease();  // releases it clean if it was not (withdraws it if never granted)
     }
     state_.reset();  // perhaps the last owner: the store then waits for its transfers
@@ -215,6 +217,23 @@ class lease_handle {
     return granted_ || lease_.ready();
   }
 
+  // Starts a copy of the granted copy's bytes into `out` (see the docstring).
+  py_work copy_into(buffer& out, const std::string& traffic) TF_EXCLUDES(mutex_) {
+    const traffic_class cls = parse_traffic(traffic);
+    auto copied = std::make_shared<collectives::signalled_work>();
+    {
+      nb::gil_scoped_release unlocked;
+      lock_guard lock(mutex_);
+      refuse_if_released("copy_into");
+      if (!granted_)
+        throw user_error("Lease.copy_into: " + label() + " has not been granted yet (call wait() first)");
+      state_->store->copy_out(lease_, {static_cast<std::byte*>(out.data()), out.nbytes()}, cls,
+                              [copied](std::exception_ptr e) { copied->finish(std::move(e)); });
+      copies_.push_back(copied);
+    }
+    return {copied, std::nullopt, out};
+  }
+
   std::uint32_t block() const noexcept { return block_.value; }
   std::string tier() const { return std::string(name(tier_)); }
   std::string mode() const { return std::string(name(mode_)); }
@@ -251,6 +270,7 @@ class lease_handle {
     if (d && !granted_)
       throw user_error(std::string(caller) + ": dirty=True for " + label() +
                        ", which was never granted (wait() did not return its bytes), so nothing was written");
+    wait_copies();
     released_ = true;
     data_ = {};
     return std::move(lease_);
@@ -316,6 +336,18 @@ class lease_handle {
     return nb::ndarray<nb::numpy, std::uint8_t, nb::ndim<1>>(bytes.data(), 1, shape, owner).cast();
   }
 
+  // The lease ends only once its copies out have: they read its copy.
+  // Their errors are for their Works to raise.
+  void wait_copies() TF_REQUIRES(mutex_) {
+    for (const auto& c : copies_) {
+      try {
+        c->wait();
+      } catch (...) {
+      }
+    }
+    copies_.clear();
+  }
+
   std::shared_ptr<const store_state> state_;
   scheduler_handle* const granter_;  // null: granted by the Store
   nb::object granter_object_;        // keeps the granting scheduler alive for release()
@@ -331,6 +363,7 @@ class lease_handle {
   bool granted_ TF_GUARDED_BY(mutex_) = false;         // wait() returned the bytes
   bool released_ TF_GUARDED_BY(mutex_) = false;
   unsigned waiting_ TF_GUARDED_BY(mutex_) = 0;         // threads inside wait_for_grant()
+  std::vector<collectives::work_ptr> copies_ TF_GUARDED_BY(mutex_);  // copy_into's, until the release
 };
 
 class store_handle {
@@ -668,6 +701,15 @@ void bind_store(nb::module_& m) {
                    "Whether wait() would return at once (with the bytes, or by raising the load's\n"
                    "error); False once released.")
       .def_prop_ro("released", &lease_handle::released, "Whether the lease was released.")
+      .def("copy_into", &lease_handle::copy_into, "out"_a, "traffic"_a = "demand",
+           "Starts copying the granted copy's bytes into `out`, CPU memory of the caller's (a\n"
+           "C-contiguous tensor or array of at least the block's size rounded up to whole 4 KiB\n"
+           "pages, starting on a page boundary), over the link from this tier to the host tier:\n"
+           "from NVMe, a read straight into `out` (no copy in the host tier), counted in the\n"
+           "nvme->host link's telemetry. Returns a Work at once (its wait() raises the read's\n"
+           "error, naming the block and the file); the release waits for it. `traffic`: the\n"
+           "class it runs in. A lease not granted (wait() first), a host-tier lease (read its\n"
+           "bytes) or `out` too small or misaligned is a ValueError.")
       .def_prop_ro("block", &lease_handle::block, "The block's id.")
       .def_prop_ro("tier", &lease_handle::tier, "The tier of the copy: 'device', 'host' or 'nvme'.")
       .def_prop_ro("mode", &lease_handle::mode, "'read', 'write' or 'overwrite'.")

@@ -36,15 +36,6 @@
 
 namespace tierflow::collectives {
 
-std::string_view name(reduce_op op) noexcept {
-  switch (op) {
-    case reduce_op::sum: return "sum";
-    case reduce_op::max: return "max";
-    case reduce_op::min: return "min";
-  }
-  return "unknown";
-}
-
 namespace {
 
 // ---- element arithmetic ---------------------------------------------------------------------
@@ -95,37 +86,6 @@ gloo::AllreduceOptions::Func reduction(dtype t, reduce_op op) {
   }
   throw user_error("gloo: an unknown dtype");
 }
-
-// ---- completion ---------------------------------------------------------------------------------
-
-class gloo_work final : public work {
- public:
-  bool done() const override {
-    std::lock_guard lock(mutex_);
-    return finished_;
-  }
-
-  void wait() override {
-    std::unique_lock lock(mutex_);
-    cv_.wait(lock, [&] { return finished_; });
-    if (error_) std::rethrow_exception(error_);
-  }
-
-  void finish(std::exception_ptr error) {
-    {
-      std::lock_guard lock(mutex_);
-      finished_ = true;
-      error_ = std::move(error);
-    }
-    cv_.notify_all();
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::condition_variable cv_;
-  bool finished_ = false;
-  std::exception_ptr error_;
-};
 
 // A non-null address for a buffer of no bytes: Gloo's unbound buffers take
 // a pointer, and an empty tensor's may be null.
@@ -225,27 +185,13 @@ class gloo_communicator final : public communicator {
   std::string_view backend() const noexcept override { return "gloo"; }
 
   work_ptr all_gather(const void* in, void* out, std::span<const std::size_t> counts, dtype t) override {
-    std::vector<std::size_t> elements = checked_counts(counts, "all_gather");
-    const std::size_t total = std::accumulate(elements.begin(), elements.end(), std::size_t{0});
-    const std::size_t offset = std::accumulate(elements.begin(), elements.begin() + rank_, std::size_t{0});
-    return submit("all_gather", [=, this](std::uint32_t tag) {
-      if (total == 0) return;  // (Gloo's allgatherv of nothing at all is not a no-op in Debian's snapshot)
-      gloo::AllgathervOptions opts(context_);
-      // In place (`in` is this rank's slot of `out`): Gloo takes no input and
-      // reads the slot, instead of a memcpy of the slot onto itself.
-      const bool in_place = in == static_cast<const std::byte*>(out) + offset * size_of(t);
-      if (size_of(t) == 4) {
-        if (!in_place) opts.setInput(or_empty(static_cast<float*>(const_cast<void*>(in))), elements[rank_]);
-        opts.setOutput(or_empty(static_cast<float*>(out)), elements);
-      } else {
-        if (!in_place)
-          opts.setInput(or_empty(static_cast<std::uint16_t*>(const_cast<void*>(in))), elements[rank_]);
-        opts.setOutput(or_empty(static_cast<std::uint16_t*>(out)), elements);
-      }
-      opts.setTag(tag);
-      opts.setTimeout(options_.timeout);
-      gloo::allgatherv(opts);
-    });
+    return submit("all_gather", gather(in, out, counts, t));
+  }
+
+  // Waits for `after` on this communicator's thread, in the queue's order.
+  work_ptr all_gather_after(const work_ptr& after, const void* in, void* out, std::span<const std::size_t> counts,
+                            dtype t) override {
+    return submit("all_gather", gather(in, out, counts, t), after);
   }
 
   work_ptr reduce_scatter(const void* in, void* out, std::span<const std::size_t> counts, dtype t,
@@ -291,8 +237,34 @@ class gloo_communicator final : public communicator {
   struct task {
     std::string what;
     std::function<void(std::uint32_t)> run;
-    std::shared_ptr<gloo_work> done;
+    std::shared_ptr<signalled_work> done;
+    work_ptr after;  // what must be done before it starts (null: nothing)
   };
+
+  // The task of one all_gather (the counts checked now, in the caller's thread).
+  std::function<void(std::uint32_t)> gather(const void* in, void* out, std::span<const std::size_t> counts, dtype t) {
+    std::vector<std::size_t> elements = checked_counts(counts, "all_gather");
+    const std::size_t total = std::accumulate(elements.begin(), elements.end(), std::size_t{0});
+    const std::size_t offset = std::accumulate(elements.begin(), elements.begin() + rank_, std::size_t{0});
+    return [=, this](std::uint32_t tag) {
+      if (total == 0) return;  // (Gloo's allgatherv of nothing at all is not a no-op in Debian's snapshot)
+      gloo::AllgathervOptions opts(context_);
+      // In place (`in` is this rank's slot of `out`): Gloo takes no input and
+      // reads the slot, instead of a memcpy of the slot onto itself.
+      const bool in_place = in == static_cast<const std::byte*>(out) + offset * size_of(t);
+      if (size_of(t) == 4) {
+        if (!in_place) opts.setInput(or_empty(static_cast<float*>(const_cast<void*>(in))), elements[rank_]);
+        opts.setOutput(or_empty(static_cast<float*>(out)), elements);
+      } else {
+        if (!in_place)
+          opts.setInput(or_empty(static_cast<std::uint16_t*>(const_cast<void*>(in))), elements[rank_]);
+        opts.setOutput(or_empty(static_cast<std::uint16_t*>(out)), elements);
+      }
+      opts.setTag(tag);
+      opts.setTimeout(options_.timeout);
+      gloo::allgatherv(opts);
+    };
+  }
 
   static std::string first_line(std::string_view text) {
     const auto end = text.find('\n');
@@ -320,15 +292,15 @@ class gloo_communicator final : public communicator {
     gloo::allreduce(opts);
   }
 
-  work_ptr submit(std::string what, std::function<void(std::uint32_t)> run) {
-    auto done = std::make_shared<gloo_work>();
+  work_ptr submit(std::string what, std::function<void(std::uint32_t)> run, work_ptr after = nullptr) {
+    auto done = std::make_shared<signalled_work>();
     {
       std::lock_guard lock(mutex_);
       if (broken_) {
         done->finish(broken_);
         return done;
       }
-      queue_.push_back(task{std::move(what), std::move(run), done});
+      queue_.push_back(task{std::move(what), std::move(run), done, std::move(after)});
     }
     cv_.notify_all();
     return done;
@@ -350,6 +322,7 @@ class gloo_communicator final : public communicator {
       }
       std::exception_ptr failure;
       try {
+        if (next.after) next.after->wait();
         next.run(tag);
       } catch (const gloo::Exception& e) {
         failure = broken(next.what, first_line(e.what()));

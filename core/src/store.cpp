@@ -281,6 +281,61 @@ void block_store::release(lease&& l, dirty d) {
   end_lease(*state, d);
 }
 
+void block_store::copy_out(const lease& l, std::span<std::byte> into, traffic_class cls, link::completion done) {
+  lock_guard lock(mutex_);
+  if (l.state_ == nullptr || l.store_ != this) throw user_error("copy_out: a lease of another store, or none");
+  const detail::lease_state& s = *l.state_;
+  block_record& b = record(s.block);
+  const std::string what = "copy_out of block \"" + b.desc.name + "\"";
+  if (s.status.load(std::memory_order_acquire) != detail::lease_status::granted)
+    throw user_error(what + ": its lease in tier " + std::string(name(s.tier)) + " is not granted (wait() first)");
+  if (s.tier == tier_kind::host)
+    throw user_error(what + ": the copy is in the host tier already (read the lease's bytes)");
+  link* through = links_[index_of(s.tier)][index_of(tier_kind::host)].get();
+  if (through == nullptr)
+    throw user_error(what + ": no " + std::string(name(s.tier)) + "->host link in this store");
+  if (into.size() < b.bytes)
+    throw user_error(what + ": " + std::to_string(into.size()) + " bytes given for its " +
+                     std::to_string(b.bytes) + " (its size in whole pages)");
+  if (reinterpret_cast<std::uintptr_t>(into.data()) % block_alignment != 0)
+    throw user_error(what + ": the memory given does not start on a " + std::to_string(block_alignment) +
+                     "-byte boundary");
+  // Counted as a transfer from the copy (close() and the destructor wait for it).
+  copy_record& c = b.copies[index_of(s.tier)];
+  ++c.sources;
+  ++b.transfers;
+  ++transfers_in_flight_;
+  transfer t;
+  t.block = s.block;
+  t.block_name = b.desc.name;
+  t.from = s.tier;
+  t.to = tier_kind::host;
+  t.source = c.storage;
+  t.destination = tier_allocation{.data = into.data(), .offset = 0, .size = into.size(), .file = 0};
+  t.bytes = b.bytes;
+  t.cls = cls;
+  through->submit(std::move(t), [this, id = s.block, from = s.tier, done = std::move(done)](std::exception_ptr e) {
+    on_copy_out_done(id, from, e);
+    done(std::move(e));
+  });
+}
+
+void block_store::on_copy_out_done(block_id id, tier_kind from, std::exception_ptr error) {
+  lock_guard lock(mutex_);
+  block_record& b = record(id);
+  copy_record& c = b.copies[index_of(from)];
+  TF_ASSERT(c.sources > 0 && b.transfers > 0 && transfers_in_flight_ > 0);
+  --c.sources;
+  --b.transfers;
+  --transfers_in_flight_;
+  if (error) ++counters_.failed_transfers;
+  // The copy may have become a victim, the block writable.
+  schedule(id);
+  wake_space_waiters(from);
+  drain();
+  if (transfers_in_flight_ == 0) idle_cv_.notify_all();
+}
+
 void block_store::end_lease(detail::lease_state& s, dirty d) {
   lock_guard lock(mutex_);
   const auto status = s.status.load(std::memory_order_relaxed);  // written under mutex_ only

@@ -48,3 +48,47 @@ def test_one_rank_over_a_directory_and_its_errors(tmp_path):
         GlooCommunicator(0, 1)
     with pytest.raises(ValueError, match="is not a rank of 2"):
         GlooCommunicator(2, 2, store_dir=str(tmp_path))
+
+
+def test_a_gather_after_a_read_waits_for_it_and_fails_with_its_error(tmp_path):
+    from tierflow import Store, TierflowError
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    store = Store(host_budget=1 << 20, nvme_dir=str(nvme), nvme_budget=1 << 22, checksums=True, file_size=1 << 20)
+    block = store.create_block("shard", 8192, home="nvme")
+    with store.acquire(block, "host", mode="overwrite") as lease:
+        torch.from_dlpack(lease.wait()).copy_(torch.arange(4096, dtype=torch.bfloat16).view(torch.uint8))
+        lease.release(dirty=True)
+    store.evict(block, "host")
+    store.flush()
+    (tmp_path / "meet").mkdir()
+    comm = GlooCommunicator(0, 1, store_dir=str(tmp_path / "meet"), timeout=5.0)
+    raw = torch.empty(8192 + 4096, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 4096
+    full = raw[skip:skip + 8192].view(torch.bfloat16)
+    with store.acquire(block, "nvme") as lease:
+        lease.wait()
+        read = lease.copy_into(full.view(torch.uint8))
+        comm.all_gather(full, full, [4096], after=read).wait()  # issued before the read is done
+    assert torch.equal(full, torch.arange(4096, dtype=torch.bfloat16))
+
+    (file,) = nvme.glob("tierflow-*.nvme")
+    fd = os.open(file, os.O_WRONLY)
+    try:
+        os.pwrite(fd, bytes(4096), 0)  # the block sits at the file's start
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    with store.acquire(block, "nvme") as lease:
+        lease.wait()
+        read = lease.copy_into(full.view(torch.uint8))
+        gather = comm.all_gather(full, full, [4096], after=read)
+        with pytest.raises(TierflowError, match="checksum mismatch"):
+            read.wait()
+        with pytest.raises(TierflowError, match="all_gather failed: .*checksum mismatch.*the communicator is broken"):
+            gather.wait()
+    with pytest.raises(TierflowError, match="checksum mismatch"):
+        comm.all_gather(full, full, [4096]).wait()  # broken: every later one fails
+    comm.close()
+    store.close()  # the read's error was its Work's to report, not the store's

@@ -332,6 +332,67 @@ def test_a_corrupt_nvme_block_fails_its_load_with_the_errno_and_the_store_recove
     np.testing.assert_array_equal(read(store, block, "host"), pattern(16 * KIB, 6))
 
 
+def page_aligned(nbytes):
+    """A uint8 tensor of `nbytes` starting on a 4 KiB boundary."""
+    raw = torch.empty(nbytes + 4 * KIB, dtype=torch.uint8)
+    skip = -raw.data_ptr() % (4 * KIB)
+    return raw[skip:skip + nbytes]
+
+
+def test_copy_into_reads_an_nvme_block_straight_into_the_callers_memory(tmp_path):
+    store = tiered_store(tmp_path, checksums=True)
+    block = store.create_block("shard", 12 * KIB, home="nvme")
+    write(store, block, pattern(12 * KIB, 7), tier="host")
+    store.evict(block, "host")
+    store.flush()
+    before = {l["name"]: l["bytes"] for l in store.telemetry()["links"]}["nvme->host"]
+    lease = store.acquire(block, "nvme")
+    assert lease.wait() is None
+    out = page_aligned(12 * KIB)
+    work = lease.copy_into(out, traffic="prefetch")
+    work.wait()
+    assert work.done
+    np.testing.assert_array_equal(out.numpy(), pattern(12 * KIB, 7))
+    assert store.state(block, "host") == "absent"  # no copy in the host tier
+    links = {l["name"]: l for l in store.telemetry()["links"]}
+    assert links["nvme->host"]["bytes"] - before == 12 * KIB
+    assert links["nvme->host"]["classes"]["prefetch"]["bytes"] == 12 * KIB
+
+    with pytest.raises(ValueError, match="does not start on a 4096-byte boundary"):
+        lease.copy_into(page_aligned(16 * KIB)[1:12 * KIB + 1])
+    with pytest.raises(ValueError, match="8192 bytes given for its 12288"):
+        lease.copy_into(out[:8 * KIB])
+    pending = lease.copy_into(page_aligned(12 * KIB))
+    lease.release()  # waits for the copy: it reads the leased copy
+    assert pending.done
+    with pytest.raises(ValueError, match="released already"):
+        lease.copy_into(out)
+    with store.acquire(block, "host") as host:
+        host.wait()
+        with pytest.raises(ValueError, match="in the host tier already"):
+            host.copy_into(out)
+    store.evict(block, "host")
+    not_yet = store.acquire(block, "nvme")
+    with pytest.raises(ValueError, match="not been granted yet"):
+        not_yet.copy_into(out)
+    not_yet.release()
+
+    store.flush()
+    (file,) = (tmp_path / "nvme").glob("tierflow-*.nvme")
+    fd = os.open(file, os.O_WRONLY)
+    try:
+        os.pwrite(fd, bytes(4 * KIB), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    with store.acquire(block, "nvme") as lease:
+        lease.wait()
+        with pytest.raises(TierflowError, match="checksum mismatch") as raised:
+            lease.copy_into(out).wait()
+        assert raised.value.block == "shard"
+    store.close()
+
+
 def test_close_with_a_held_lease_names_the_block_and_the_store_stays_usable(tmp_path):
     store = tiered_store(tmp_path)
     a = store.create_block("layers.3.w", 8 * KIB)

@@ -34,9 +34,10 @@ def test_gathers_through_the_tiers_are_a_plain_gathers_bytes(tmp_path, ranks):
     assert len(results) == ranks
     for r in results:
         assert r["mismatches"] == [] and r["errors"] == []
-        # the first iteration records the order; the next three gather 13 of
-        # their 14 fetches ahead; the last departs from the order at once
-        assert r["ahead_after_second"] == 13 and r["ahead"] == 39 and r["dropped"] == 0
+        # the first iteration records the order; the next three gather 15 of
+        # their 16 fetches ahead; the last departs from the order at once
+        assert r["ahead_after_second"] == 15 and r["ahead"] == 45 and r["dropped"] == 0
+        assert r["direct"] > 0  # the shards of whole pages, read straight into their slot
         assert r["departures"] == 2
         assert r["counts"]["torch"] == 0 and r["counts"]["tierflow"] > 0
         assert r["read"] > 0 and r["files_left"] == []

@@ -2,7 +2,8 @@
 (``torchrun --nproc-per-node N zero_gather_worker.py OUT NVME [MODE]``).
 
 The ranks store bf16 parameters of odd sizes (last shards padded, one
-smaller than the ranks) homed on NVMe, with a host tier too small to keep
+smaller than the ranks, one whose shards are whole pages: read from NVMe
+straight into their slot) homed on NVMe, with a host tier too small to keep
 them, and fetch them as a forward and a backward would, for several
 iterations: the first records the order, the next gather ahead, the last
 departs from the order. Every fetched parameter is compared byte for byte
@@ -28,7 +29,8 @@ from tierflow.zero.comm import Group
 from tierflow.zero.partition import ParamStore, data_of
 from tierflow.zero.plan import links_of, make_plan
 
-SIZES = (1, 777, 4096, 12_345, 65_537, 3, 20_000)
+# 12_288: shards of whole pages on 2 and 3 ranks, read from NVMe straight into their slot
+SIZES = (1, 777, 4096, 12_345, 65_537, 3, 20_000, 12_288)
 TIMEOUT = 5.0
 
 
@@ -76,6 +78,9 @@ def main() -> None:
     store = ParamStore(make_plan(m, cfg, world_size=dist.get_world_size()), group=Group.from_options(cfg.tierflow))
     parts = [store.adopt(p, name, persistent=False) for name, p in m.named_parameters()]
     expected = [plain_gather(store, part) for part in parts]
+    for part in parts:  # every shard at home only, as after a first pass over a larger model
+        store.store.evict(part.block, "host")
+    store.store.flush()
     result = {"mismatches": [], "errors": []}
     for part, want in zip(parts, expected):
         if not torch.equal(want.view(torch.int16), values[part.name].view(torch.int16)):
@@ -112,7 +117,7 @@ def main() -> None:
                 store.end_iteration()
         if iteration == 1:
             result["ahead_after_second"] = store.gathered_ahead
-    result.update(ahead=store.gathered_ahead, dropped=store.gathers_dropped, departures=store._order.departures,
+    result.update(ahead=store.gathered_ahead, dropped=store.gathers_dropped, direct=store.shards_read_into_slots, departures=store._order.departures,
                   counts=store.group.counts, read=links_of(store.telemetry()).get("nvme->host", 0))
     nvme_dir = store.nvme_dir
     store.close()  # after a failure too: no hang, no error raised twice, the files removed

@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <future>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -72,6 +74,55 @@ TEST(store, bytes_survive_every_path) {
   evict_all(*store, h);
   EXPECT_EQ(store->state(h, tier_kind::host), copy_state::valid);
   EXPECT_TRUE(reads(*store, h, tier_kind::host, 4));
+  store->check_invariants();
+}
+
+// copy_out reads a leased copy into the caller's memory: NVMe straight into
+// it (no host copy made), the device stand-in by memcpy; a writer asked for
+// meanwhile waits until the copy is done; bad requests are user errors.
+TEST(store, copy_out_reads_a_leased_copy_into_the_callers_memory) {
+  scratch_dir dir;
+  auto store = tiers::make_store(small_store_config(dir));
+  const std::uint64_t size = 3 * 4096;
+  const block_id b = make(*store, "shard", size, tier_kind::nvme);
+  write(*store, b, tier_kind::host, 7);
+  evict_all(*store, b);
+  auto memory = std::unique_ptr<std::byte, decltype(&std::free)>(
+      static_cast<std::byte*>(std::aligned_alloc(block_alignment, 2 * size)), &std::free);
+  const std::span<std::byte> into(memory.get(), size);
+
+  lease home = store->acquire(b, tier_kind::nvme);
+  home.wait();
+  std::promise<std::exception_ptr> read;
+  store->copy_out(home, into, traffic_class::prefetch, [&](std::exception_ptr e) { read.set_value(e); });
+  lease writer = store->acquire(b, tier_kind::host, access::write);  // waits for the lease, and the copy
+  EXPECT_FALSE(read.get_future().get());
+  EXPECT_TRUE(holds(into, 7));
+  EXPECT_FALSE(writer.ready());
+  store->release(std::move(home), dirty::no);
+  writer.wait();
+  store->release(std::move(writer), dirty::no);
+  store->check_invariants();
+
+  evict_all(*store, b);
+  EXPECT_TRUE(reads(*store, b, tier_kind::device, 7));
+  lease device = store->acquire(b, tier_kind::device);
+  device.wait();
+  std::fill(into.begin(), into.end(), std::byte{0});
+  std::promise<std::exception_ptr> copied;
+  store->copy_out(device, into, traffic_class::demand, [&](std::exception_ptr e) { copied.set_value(e); });
+  EXPECT_FALSE(copied.get_future().get());
+  EXPECT_TRUE(holds(into, 7));
+  EXPECT_THROW(store->copy_out(device, into.first(size - 4096), traffic_class::demand, [](std::exception_ptr) {}),
+               user_error);
+  EXPECT_THROW(store->copy_out(device, std::span(memory.get() + 1, size), traffic_class::demand,
+                               [](std::exception_ptr) {}),
+               user_error);
+  store->release(std::move(device), dirty::no);
+  lease host = store->acquire(b, tier_kind::host);
+  host.wait();
+  EXPECT_THROW(store->copy_out(host, into, traffic_class::demand, [](std::exception_ptr) {}), user_error);
+  store->release(std::move(host), dirty::no);
   store->check_invariants();
 }
 

@@ -55,10 +55,12 @@ class Pending:
     """A collective issued and not yet waited for: :meth:`wait` (or
     ``synchronize()``, the name a CUDA event's wait has, so a gradient's
     readiness can be either) blocks until it is done, raises its error, and
-    returns its output."""
+    returns its output. ``then(output)`` runs after a successful wait;
+    ``finally_()`` after every wait, failed or not (the end of what the
+    collective read from: a lease, say), once."""
 
-    def __init__(self, work: Any, out: torch.Tensor, then: Any = None) -> None:
-        self._work, self._out, self._then = work, out, then
+    def __init__(self, work: Any, out: torch.Tensor, then: Any = None, finally_: Any = None) -> None:
+        self._work, self._out, self._then, self._finally = work, out, then, finally_
 
     @property
     def done(self) -> bool:
@@ -75,11 +77,16 @@ class Pending:
         return self._out
 
     def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            work, self._work = self._work, None
-            work.wait()
-            if self._then is not None:
-                self._then(self._out)
+        try:
+            if self._work is not None:
+                work, self._work = self._work, None
+                work.wait()
+                if self._then is not None:
+                    self._then(self._out)
+        finally:
+            if self._finally is not None:
+                end, self._finally = self._finally, None
+                end()
         return self._out
 
     synchronize = wait
@@ -200,25 +207,41 @@ class Group:
         self.slot(out).copy_(shard)
         return self.gather_in_place(out).wait()
 
-    def gather_in_place(self, full: torch.Tensor) -> Pending:
+    def gather_in_place(self, full: torch.Tensor, *, after: Any = None, finally_: Any = None) -> Pending:
         """Starts gathering into ``full`` (1-D, ``world_size`` equal shards)
         every rank's shard from its slot of its ``full``, where this rank has
         put its own (:meth:`slot`): no copy in. Wait for the result before
-        reading ``full``, or writing its slot."""
+        reading ``full``, or writing its slot.
+
+        ``after``: a Work still filling the slot (``Lease.copy_into``'s read
+        from NVMe), which tierflow's communicator waits for on its own
+        thread, so the gather is issued now, in its place in the order (on
+        torch.distributed, it is waited for here first). ``finally_``: as
+        :class:`Pending`'s; it also runs when issuing fails."""
+        try:
+            return self._gather_in_place(full, after, finally_)
+        except BaseException:
+            if finally_ is not None:
+                finally_()
+            raise
+
+    def _gather_in_place(self, full: torch.Tensor, after: Any, finally_: Any) -> Pending:
+        comm = self._ours(full) if self.active else None
+        if comm is None and after is not None:
+            after.wait()
         if not self.active:
-            return Pending(None, full)
+            return Pending(None, full, finally_=finally_)
         counts = [full.numel() // self.world_size] * self.world_size
-        comm = self._ours(full)
         if comm is not None:
-            return Pending(comm.all_gather(self.slot(full), full, counts), full)
+            return Pending(comm.all_gather(self.slot(full), full, counts, after=after), full, finally_=finally_)
         # torch.distributed's gloo copies its input into the slot: give it a copy.
         mine = self.slot(full).clone()
         if self._staging is None:
             self.counts["torch"] += 1
             work = self._dist.all_gather_into_tensor(full, mine, group=self.process_group, async_op=True)
-            return Pending(work, full)
+            return Pending(work, full, finally_=finally_)
         self._run(lambda o, s: self._dist.all_gather_into_tensor(o, s, group=self.process_group), full, mine)
-        return Pending(None, full)
+        return Pending(None, full, finally_=finally_)
 
     def reduce_scatter_mean(self, flat: torch.Tensor, shard: int) -> Pending:
         """Starts reducing this rank's ``shard`` elements of the mean over the

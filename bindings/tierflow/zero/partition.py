@@ -59,6 +59,7 @@ import torch
 from tierflow import _core, _lifetime
 from tierflow.errors import TierflowError
 from tierflow.zero.ahead import FetchOrder
+from tierflow.zero.buffers import GatherBuffers
 from tierflow.zero.comm import Group, Pending
 from tierflow.zero.copies import copy_into, norm_sq
 from tierflow.zero.plan import PAGE, Plan, format_bytes, pages
@@ -296,6 +297,8 @@ class ParamStore:
                                                  staging_share=plan.staging_share)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.store.device_is_cuda \
             else torch.device("cpu")
+        # Several ranks in host memory: the gather buffers, kept for the next gathers.
+        self._buffers = GatherBuffers(self.gather_budget) if world > 1 and self.device.type == "cpu" else None
         self.parts: list[Partition] = []
         self._by_id: dict[int, Partition] = {}
         self._resident: dict[int, Partition] = {}  # data pointer of the device view -> partition
@@ -311,6 +314,7 @@ class ParamStore:
         self._copy_stream: Any = None  # a GPU's stream for the shards' copies into their slots
         self.gathered_ahead = 0   # gathers issued ahead of their fetch
         self.gathers_dropped = 0  # of those, dropped unused (an order departed from, room needed)
+        self.shards_read_into_slots = 0  # shards read from NVMe straight into their gather slot
         self.in_iteration = False
         self.closed = False
         _lifetime.track(self)
@@ -471,11 +475,44 @@ class ParamStore:
         part.gathered = full
         self._install(part, full[: part.numel].view(part.shape), need)
 
-    def _start_gather(self, part: Partition) -> Pending:
-        """Issues ``part``'s gather: its shard leased in host memory, copied
-        into this rank's slot of a new gather buffer, the lease ended (on a
-        GPU once the copy is done), and the buffer all-gathered in place."""
+    def _start_gather(self, part: Partition, *, ahead: bool = False) -> Pending:
+        """Issues ``part``'s gather: its shard put into this rank's slot of a
+        gather buffer, which is then all-gathered in place (:meth:`_fill_slot`)."""
         world = self.group.world_size
+        if self._buffers is None:
+            full = torch.empty(part.shard_numel * world, dtype=part.dtype, device=self.device)
+        else:
+            full = self._buffers.take(part.shard_numel * world, part.dtype)
+        if self._reads_into_slot(part):
+            return self._read_into_slot(part, full, ahead)
+        return self._copy_into_slot(part, full)
+
+    def _reads_into_slot(self, part: Partition) -> bool:
+        """Whether ``part``'s shard is read from NVMe straight into its slot:
+        a host buffer (page-aligned), a shard of whole pages (so is its slot,
+        and nothing past it is written), homed on NVMe, and no copy of it in
+        the host tier (a newer one, perhaps: that is copied instead)."""
+        return (self._buffers is not None and part.shard_bytes % PAGE == 0 and self.plan.param_home == "nvme"
+                and self.store.state(part.block, "host") == "absent")
+
+    def _read_into_slot(self, part: Partition, full: torch.Tensor, ahead: bool) -> Pending:
+        """The shard read from its home file into the slot, the gather issued
+        behind the read (the communicator waits for it), the home lease ended
+        once the gather has been waited for."""
+        lease = self.store.acquire(part.block, "nvme", "read")
+        try:
+            lease.wait()  # at once, unless a newer copy is still being written home
+            read = lease.copy_into(self.group.slot(full).view(torch.uint8), "prefetch" if ahead else "demand")
+        except BaseException:
+            lease.release()
+            raise
+        self.shards_read_into_slots += 1
+        return self.group.gather_in_place(full, after=read, finally_=lease.release)
+
+    def _copy_into_slot(self, part: Partition, full: torch.Tensor) -> Pending:
+        """The shard leased in host memory (the prefetch scheduler reads it
+        ahead), copied into the slot, the lease ended (on a GPU once the copy
+        is done), and the buffer all-gathered in place."""
         cuda = self.device.type == "cuda"
         if cuda and self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -483,7 +520,6 @@ class ParamStore:
         lease = self._lease(part.block, "host", "read")
         try:
             with stream:
-                full = torch.empty(part.shard_numel * world, dtype=part.dtype, device=self.device)
                 slot = self.group.slot(full)
                 slot.copy_(self._local(lease, part), non_blocking=cuda)
                 if cuda:
@@ -510,7 +546,7 @@ class ParamStore:
                 continue
             if self._resident_bytes + self._ahead_bytes + need > self.gather_budget:
                 return
-            self._ahead[index] = self._start_gather(part)
+            self._ahead[index] = self._start_gather(part, ahead=True)
             self._ahead_bytes += need
             self.gathered_ahead += 1
             self.gathered_high_water = max(self.gathered_high_water, self._resident_bytes + self._ahead_bytes)
@@ -542,7 +578,10 @@ class ParamStore:
         self._resident.pop(data_of(part.param).untyped_storage().data_ptr(), None)
         set_data(part.param, self._away(part))
         part.lease = None
-        part.gathered = None  # torch's caching allocator orders its reuse on the stream
+        full, part.gathered = part.gathered, None  # on a GPU, torch's caching allocator orders its reuse
+        if self._buffers is not None and full is not None:
+            self._buffers.give(full)
+        del full
         self._resident_bytes -= pages(part.nbytes)
         if lease is None:
             return
@@ -952,6 +991,8 @@ class ParamStore:
             self.release_all(keep_persistent=False)
         finally:
             self.group.close()
+        if self._buffers is not None:
+            self._buffers.clear()
         self.store.close()
         self.closed = True
         for part in self.parts:  # no cycle keeps the store alive past its engine

@@ -254,7 +254,8 @@ class PartitionedRuntime:
             out["collectives"] = {"by": self.group.collectives, "tierflow": self.group.counts["tierflow"],
                                   "torch": self.group.counts["torch"],
                                   "gathered_ahead": self.params.gathered_ahead,
-                                  "ahead_dropped": self.params.gathers_dropped}
+                                  "ahead_dropped": self.params.gathers_dropped,
+                                  "shards_read_into_slots": self.params.shards_read_into_slots}
         out["scheduler"] = self.params.scheduler.stats
         optimizer = self.state.memory_stats()
         if optimizer is not None:

@@ -16,8 +16,11 @@
 // the caller makes a new communicator if it wants one.
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string_view>
 
@@ -41,6 +44,22 @@ class work {
 };
 using work_ptr = std::shared_ptr<work>;
 
+// A work finished by whoever runs it (a backend's thread, a transfer's
+// completion): finish() once, with nullptr on success or the error wait()
+// then throws. Thread-safe.
+class signalled_work final : public work {
+ public:
+  bool done() const override;
+  void wait() override;
+  void finish(std::exception_ptr error);
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  bool finished_ = false;
+  std::exception_ptr error_;
+};
+
 class communicator {
  public:
   virtual ~communicator() = default;
@@ -54,6 +73,14 @@ class communicator {
   // elements), in rank order. In place when `in` is this rank's slot of `out`
   // (out + sum(counts[0..rank())) elements).
   virtual work_ptr all_gather(const void* in, void* out, std::span<const std::size_t> counts, dtype t) = 0;
+  // all_gather, started once `after` is done (a read still filling this
+  // rank's slot): it takes this call's place in the order. A backend with a
+  // thread of its own (Gloo) waits for `after` there, so this returns at
+  // once; when `after` fails the collective fails with its error and the
+  // communicator is broken (this rank could not take part). By default the
+  // caller waits here, and `after`'s error is thrown here, nothing issued.
+  virtual work_ptr all_gather_after(const work_ptr& after, const void* in, void* out,
+                                    std::span<const std::size_t> counts, dtype t);
   // `out` (counts[rank()] elements) becomes the reduction over the ranks of
   // their `in` (sum(counts) elements)'s slice for this rank.
   virtual work_ptr reduce_scatter(const void* in, void* out, std::span<const std::size_t> counts, dtype t,

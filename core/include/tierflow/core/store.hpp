@@ -151,6 +151,19 @@ class block_store {
   // Ends a lease (granted or not). dirty::yes (write leases only, asserted)
   // marks the copy as the newest contents. The lease is empty afterwards.
   void release(lease&& l, dirty d) TF_EXCLUDES(mutex_);
+  // Copies the bytes of `l`'s copy into `into`, memory of the caller's —
+  // a ZeRO-3 shard read from NVMe straight into its slot of a gather
+  // buffer, with no copy in the host tier — over the link from l's tier to
+  // the host tier, in class `cls` (counted in that link's telemetry). `l`
+  // must be granted, and held until `done` has run. `into` must be CPU
+  // memory of at least the block's aligned size, starting on a
+  // block_alignment boundary (what O_DIRECT reads need). Returns at once;
+  // `done` runs on an engine thread: with nullptr once the bytes are there,
+  // or with the error naming the block. Throws user_error for a lease not
+  // granted or of another store, a copy in the host tier itself (read its
+  // bytes), no such link, or `into` too small or misaligned.
+  void copy_out(const lease& l, std::span<std::byte> into, traffic_class cls, link::completion done)
+      TF_EXCLUDES(mutex_);
 
   // Hint: start loading `id` into `where` if it is absent and there is room
   // without evicting dirty or leased copies; otherwise the hint is dropped
@@ -241,6 +254,7 @@ class block_store {
   void submit(block_id id, tier_kind from, tier_kind to, traffic_class cls) TF_REQUIRES(mutex_);
   void on_transfer_done(block_id id, tier_kind from, tier_kind to, traffic_class cls,
                         std::exception_ptr error) TF_EXCLUDES(mutex_);
+  void on_copy_out_done(block_id id, tier_kind from, std::exception_ptr error) TF_EXCLUDES(mutex_);
   void refuse_if_closed(std::string_view what) const TF_REQUIRES(mutex_);
   void refuse_if_leased() const TF_REQUIRES(mutex_);
   void schedule(block_id id) TF_REQUIRES(mutex_);
