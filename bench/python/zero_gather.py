@@ -140,6 +140,11 @@ def main(argv=None) -> int:
         read = read_alone(args, store, parts)
         read_per = (read_bytes() - before) / (1 + args.iterations)
         gather = gather_alone(args, store, parts)
+    finally:
+        store.close()
+    store, parts, _ = build(args, "tierflow")  # (a store of its own: no schedule recorded by the read alone)
+    read_bytes = lambda: links_of(store.telemetry()).get("nvme->host", 0)  # noqa: E731
+    try:
         before = read_bytes()
         ours = pipeline(args, store, parts)
         pipeline_per = (read_bytes() - before) / (1 + args.iterations)

@@ -490,10 +490,10 @@ class ParamStore:
     def _reads_into_slot(self, part: Partition) -> bool:
         """Whether ``part``'s shard is read from NVMe straight into its slot:
         a host buffer (page-aligned), a shard of whole pages (so is its slot,
-        and nothing past it is written), homed on NVMe, and no copy of it in
-        the host tier (a newer one, perhaps: that is copied instead)."""
+        and nothing past it is written), homed on NVMe, and its home file
+        current (a newer copy in the host tier is copied from instead)."""
         return (self._buffers is not None and part.shard_bytes % PAGE == 0 and self.plan.param_home == "nvme"
-                and self.store.state(part.block, "host") == "absent")
+                and self.store.state(part.block, "nvme") == "valid")
 
     def _read_into_slot(self, part: Partition, full: torch.Tensor, ahead: bool) -> Pending:
         """The shard read from its home file into the slot, the gather issued
