@@ -38,6 +38,25 @@ def tiered_store(tmp_path, folder="nvme", **options):
     return Store(**settings)
 
 
+def at_home(store, block, data):
+    """`data` in `block`, written home to NVMe, no copy left in the host tier."""
+    write(store, block, data, tier="host")
+    store.evict(block, "host")
+    store.flush()
+
+
+def zero_first_page(directory):
+    """Overwrites the first 4 KiB of the one NVMe file in `directory` (where the first block sits)."""
+    (file,) = pathlib.Path(directory).glob("tierflow-*.nvme")
+    fd = os.open(file, os.O_WRONLY)
+    try:
+        os.pwrite(fd, bytes(4 * KIB), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return file
+
+
 def write(store, block, data, tier="device"):
     """`data` into `block` through an overwrite lease on `tier`, released dirty."""
     lease = store.acquire(block, tier, mode="overwrite")
@@ -302,16 +321,8 @@ def test_write_trace_writes_chrome_trace_json(tmp_path):
 def test_a_corrupt_nvme_block_fails_its_load_with_the_errno_and_the_store_recovers(tmp_path):
     store = tiered_store(tmp_path, checksums=True)
     block = store.create_block("state.exp_avg", 16 * KIB, home="nvme")
-    write(store, block, pattern(16 * KIB, 5), tier="host")
-    store.evict(block, "host")
-    store.flush()
-    (file,) = (tmp_path / "nvme").glob("tierflow-*.nvme")  # the block sits at its start
-    fd = os.open(file, os.O_WRONLY)
-    try:
-        os.pwrite(fd, bytes(4 * KIB), 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    at_home(store, block, pattern(16 * KIB, 5))
+    file = zero_first_page(tmp_path / "nvme")
 
     for _ in range(2):  # a failed load leaves the copy absent; the next acquire tries again
         lease = store.acquire(block, "host", mode="write")  # loads the bytes first
@@ -342,9 +353,7 @@ def page_aligned(nbytes):
 def test_copy_into_reads_an_nvme_block_straight_into_the_callers_memory(tmp_path):
     store = tiered_store(tmp_path, checksums=True)
     block = store.create_block("shard", 12 * KIB, home="nvme")
-    write(store, block, pattern(12 * KIB, 7), tier="host")
-    store.evict(block, "host")
-    store.flush()
+    at_home(store, block, pattern(12 * KIB, 7))
     before = {l["name"]: l["bytes"] for l in store.telemetry()["links"]}["nvme->host"]
     lease = store.acquire(block, "nvme")
     assert lease.wait() is None
@@ -378,13 +387,7 @@ def test_copy_into_reads_an_nvme_block_straight_into_the_callers_memory(tmp_path
     not_yet.release()
 
     store.flush()
-    (file,) = (tmp_path / "nvme").glob("tierflow-*.nvme")
-    fd = os.open(file, os.O_WRONLY)
-    try:
-        os.pwrite(fd, bytes(4 * KIB), 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    zero_first_page(tmp_path / "nvme")
     with store.acquire(block, "nvme") as lease:
         lease.wait()
         with pytest.raises(TierflowError, match="checksum mismatch") as raised:

@@ -507,7 +507,14 @@ class ParamStore:
             lease.release()
             raise
         self.shards_read_into_slots += 1
-        return self.group.gather_in_place(full, after=read, finally_=lease.release)
+
+        def end() -> None:
+            # The read's Work is held until here: dropped unfinished, it would
+            # wait for the read on this thread.
+            nonlocal read
+            read = None
+            lease.release()
+        return self.group.gather_in_place(full, after=read, finally_=end)
 
     def _copy_into_slot(self, part: Partition, full: torch.Tensor) -> Pending:
         """The shard leased in host memory (the prefetch scheduler reads it
