@@ -3,13 +3,17 @@
 ranks, beside each of its two stages measured alone in the same run.
 
     torchrun --nproc-per-node 2 bench/python/zero_gather.py --nvme-dir DIR [--params 16]
-        [--numel 4194304] [--host-memory BYTES] [--iterations 5] [--json FILE]
+        [--numel 4194304] [--host-memory BYTES] [--iterations 5] [--queue-depth 8] [--json FILE]
 
 Each rank stores ``--params`` bf16 parameters of ``--numel`` elements, its
 shard of each homed on NVMe, through ``--host-memory`` bytes of host memory
 (default: a quarter of a rank's shards), so that every iteration reads every
-shard from NVMe again. Timed, each the slowest rank's, median of
-``--iterations`` after one that records the order:
+shard from NVMe again. The NVMe engine's ``--queue-depth`` (DeepSpeed's aio
+default, 8) is the device's: the ranks sharing it split it. Four stages, each with a store of its own, take
+turns: a round times one iteration of each on every rank, and each stage's
+figure is the median, over ``--iterations`` rounds after one that records
+the order, of the slowest rank's. So a disk whose speed drifts over the run (a virtual
+disk's bursts) drifts for all four alike:
 
 * **NVMe read alone**: each shard leased into host memory and released, in
   order, through the store's prefetch scheduler (what the pipeline reads, as
@@ -25,7 +29,9 @@ shard from NVMe again. Timed, each the slowest rank's, median of
 
 Bandwidths are the gathered parameters' bytes per second. Rank 0 prints
 them and the pipeline's over the lesser of the two stages alone (the target
-is at least 0.8: the pipeline overlaps them).
+is at least 0.8: the pipeline overlaps them), and each rank's read alone
+with their fairness: the fastest rank's time over the slowest's, 1 when the
+ranks reading the device at once get equal parts of it.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from fsdp2_step import slowest_rank_seconds as slowest  # (this directory: the script's)
+import time
 
 
 def build(args, collectives: str):
@@ -62,6 +68,8 @@ def build(args, collectives: str):
     config = tierflow.config.from_deepspeed({
         "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        # DeepSpeed's aio defaults, written out: the node's ranks split the queue depth.
+        "aio": {"block_size": 1 << 20, "queue_depth": args.queue_depth, "thread_count": 1},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": args.nvme_dir},
                               "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 0},
         # the parameter in use and the gathers ahead, whole
@@ -75,22 +83,20 @@ def build(args, collectives: str):
     return store, parts, host
 
 
-def iterations(args, one) -> list[float]:
-    """``one()`` timed ``--iterations`` times after a first that records the order."""
-    times = [slowest(one) for _ in range(1 + args.iterations)]
-    return times[1:]
-
-
-def read_alone(args, store, parts) -> list[float]:
+def read_alone(store, parts):
+    """One iteration of the read alone: each shard leased into host memory
+    and released, in order, through the store's prefetch scheduler."""
     def one():
         store.begin_iteration()
         for part in parts:
             store._unlease(store._lease(part.block, "host", "read"), dirty=False)
         store.end_iteration()
-    return iterations(args, one)
+    return one
 
 
-def gather_alone(args, store, parts) -> list[float]:
+def gather_alone(store, parts):
+    """One iteration of the all-gather alone: every parameter gathered in
+    place from host memory already holding the shard, all issued at once."""
     world = dist.get_world_size()
     fulls = [torch.empty(part.shard_numel * world, dtype=part.dtype) for part in parts]
     for full in fulls:
@@ -99,17 +105,44 @@ def gather_alone(args, store, parts) -> list[float]:
     def one():
         for pending in [store.group.gather_in_place(full) for full in fulls]:
             pending.wait()
-    return iterations(args, one)
+    return one
 
 
-def pipeline(args, store, parts) -> list[float]:
+def pipeline(store, parts):
+    """One iteration of the pipeline: each parameter fetched and released as
+    a forward does."""
     def one():
         store.begin_iteration()
         for part in parts:
             store.fetch(part)
             store.release(part)
         store.end_iteration()
-    return iterations(args, one)
+    return one
+
+
+def each_rank_seconds(work) -> list[float]:
+    """The seconds ``work()`` took on each rank, started together (a barrier)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    work()
+    mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [t.item() for t in every]
+
+
+def rounds(args, stages: dict) -> dict[str, list[list[float]]]:
+    """Each stage's iteration timed on every rank in turn, round after round:
+    a disk or machine that speeds up or slows down over the run does so for
+    every stage alike. The first round, which records the order, is not
+    kept. Per stage, a list of rounds, each the ranks' seconds."""
+    times: dict[str, list[list[float]]] = {name: [] for name in stages}
+    for round_ in range(1 + args.iterations):
+        for name, one in stages.items():
+            seconds = each_rank_seconds(one)
+            if round_:
+                times[name].append(seconds)
+    return times
 
 
 def main(argv=None) -> int:
@@ -119,11 +152,12 @@ def main(argv=None) -> int:
     p.add_argument("--numel", type=int, default=4 << 20)
     p.add_argument("--host-memory", type=int)
     p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--queue-depth", type=int, default=8)
     p.add_argument("--json")
     args = p.parse_args(argv)
-    for name in ("params", "numel", "iterations"):
+    for name in ("params", "numel", "iterations", "queue_depth"):
         if getattr(args, name) < 1:
-            p.error(f"--{name}: {getattr(args, name)} is not positive")
+            p.error(f"--{name.replace('_', '-')}: {getattr(args, name)} is not positive")
     if not os.path.isdir(args.nvme_dir):
         p.error(f"--nvme-dir: {args.nvme_dir} is not a directory")
     dist.init_process_group("gloo")
@@ -133,40 +167,45 @@ def main(argv=None) -> int:
 
     from tierflow.zero.plan import links_of
 
-    store, parts, host = build(args, "tierflow")
-    read_bytes = lambda: links_of(store.telemetry()).get("nvme->host", 0)  # noqa: E731
+    # A store for each stage that runs a store's iteration: the schedule one
+    # records is its own (the read alone's would prefetch host copies the
+    # pipeline never asks for).
+    built = {name: build(args, collectives) for name, collectives in
+             (("read", "tierflow"), ("pipeline", "tierflow"), ("pipeline_torch", "torch"))}
+    host = built["read"][2]
+    read_bytes = {name: (lambda store=store: links_of(store.telemetry()).get("nvme->host", 0))
+                  for name, (store, _, _) in built.items()}
     try:
-        before = read_bytes()
-        read = read_alone(args, store, parts)
-        read_per = (read_bytes() - before) / (1 + args.iterations)
-        gather = gather_alone(args, store, parts)
+        before = {name: f() for name, f in read_bytes.items()}
+        times = rounds(args, {
+            "read": read_alone(*built["read"][:2]),
+            "gather": gather_alone(*built["read"][:2]),
+            "pipeline": pipeline(*built["pipeline"][:2]),
+            "pipeline_torch": pipeline(*built["pipeline_torch"][:2]),
+        })
+        read_per = (read_bytes["read"]() - before["read"]) / (1 + args.iterations)
+        pipeline_per = (read_bytes["pipeline"]() - before["pipeline"]) / (1 + args.iterations)
+        ours = built["pipeline"][0]
+        ahead, dropped, direct = ours.gathered_ahead, ours.gathers_dropped, ours.shards_read_into_slots
+        depth = ours.store.io_config()["queue_depth"]
     finally:
-        store.close()
-    store, parts, _ = build(args, "tierflow")  # (a store of its own: no schedule recorded by the read alone)
-    read_bytes = lambda: links_of(store.telemetry()).get("nvme->host", 0)  # noqa: E731
-    try:
-        before = read_bytes()
-        ours = pipeline(args, store, parts)
-        pipeline_per = (read_bytes() - before) / (1 + args.iterations)
-        ahead, dropped, direct = store.gathered_ahead, store.gathers_dropped, store.shards_read_into_slots
-    finally:
-        store.close()
-    store, parts, _ = build(args, "torch")
-    try:
-        theirs = pipeline(args, store, parts)
-    finally:
-        store.close()
+        for store, _, _ in built.values():
+            store.close()
 
     if rank == 0:
         mib = 1 << 20
-        med = {k: statistics.median(v) for k, v in
-               (("read", read), ("gather", gather), ("pipeline", ours), ("pipeline_torch", theirs))}
+        med = {k: statistics.median(max(r) for r in v) for k, v in times.items()}  # the slowest rank's
+        # How evenly the ranks reading at once share the device: the fastest
+        # rank's time over the slowest's, in the read alone (1: evenly).
+        fairness = statistics.median(min(r) / max(r) for r in times["read"])
+        each_read = ", ".join(f"{statistics.median(r[i] for r in times['read']) * 1e3:.1f}" for i in range(world))
         bw = {k: gathered / v for k, v in med.items()}
         bound = min(bw["read"], bw["gather"])
         ratio = bw["pipeline"] / bound
         print(f"{args.params} bf16 parameters of {args.numel} elements over {world} gloo ranks "
               f"({gathered / mib:.0f} MiB gathered an iteration, {gathered / world / mib:.0f} MiB of shards a rank "
-              f"on NVMe, through {host / mib:.0f} MiB of host memory); median of {args.iterations}")
+              f"on NVMe, through {host / mib:.0f} MiB of host memory, a queue depth of {depth} of the device's "
+              f"{args.queue_depth} a rank); median of {args.iterations}")
         rows = (("NVMe read alone", "read"), ("all-gather alone (tierflow's Gloo)", "gather"),
                 ("pipeline on tierflow's Gloo", "pipeline"), ("pipeline on torch.distributed's gloo", "pipeline_torch"))
         for label, key in rows:
@@ -175,12 +214,15 @@ def main(argv=None) -> int:
               f"({'meets' if ratio >= 0.8 else 'misses'} the target ≥ 0.8); "
               f"over torch.distributed's: {med['pipeline_torch'] / med['pipeline']:.2f}× faster; "
               f"{ahead} gathers issued ahead, {dropped} dropped, {direct} shards read straight into their slot; read from NVMe a rank per iteration: "
-              f"{read_per / mib:.0f} MiB alone, {pipeline_per / mib:.0f} MiB in the pipeline")
+              f"{read_per / mib:.0f} MiB alone, {pipeline_per / mib:.0f} MiB in the pipeline; the ranks' read alone "
+              f"took {each_read} ms "
+              f"(fairness, fastest over slowest: {fairness:.2f})")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world": world, "params": args.params, "numel": args.numel, "host_memory": host,
-                           "seconds": {"read": read, "gather": gather, "pipeline": ours, "pipeline_torch": theirs},
-                           "median_bytes_per_second": bw, "pipeline_over_bound": ratio,
+                           "seconds": times,
+                           "median_bytes_per_second": bw, "pipeline_over_bound": ratio, "read_fairness": fairness,
+                           "queue_depth": {"device": args.queue_depth, "rank": depth},
                            "gathered_ahead": ahead, "ahead_dropped": dropped, "shards_read_into_slots": direct,
                            "nvme_read_bytes_per_iteration": {"read": read_per, "pipeline": pipeline_per}}, f, indent=1)
     dist.destroy_process_group()

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import tierflow
+from tierflow.zero.sharing import device_of, ranks_sharing, share_of
 
 WORKER = os.path.join(os.path.dirname(__file__), "zero_gather_worker.py")
 
@@ -39,8 +40,10 @@ def test_gathers_through_the_tiers_are_a_plain_gathers_bytes(tmp_path, ranks):
         assert r["ahead_after_second"] == 15 and r["ahead"] == 45 and r["dropped"] == 0
         assert r["direct"] > 0  # the shards of whole pages, read straight into their slot
         assert r["departures"] == 2
-        assert r["counts"]["torch"] == 0 and r["counts"]["tierflow"] > 0
+        # torch.distributed's one: the ranks telling each other their NVMe device
+        assert r["counts"]["torch"] == 1 and r["counts"]["tierflow"] > 0
         assert r["read"] > 0 and r["files_left"] == []
+        assert r["sharing"] == ranks and r["queue_depth"] == 6 // ranks  # one device's depth, split
 
 
 def test_a_rank_dying_with_gathers_in_flight_fails_the_others_at_once(tmp_path):
@@ -53,3 +56,29 @@ def test_a_rank_dying_with_gathers_in_flight_fails_the_others_at_once(tmp_path):
     assert "the communicator is broken" in first
     assert "the communicator is broken" in again and r["after_seconds"] < 1.0  # the next fetch: at once
     assert r["files_left"] == []
+
+
+class _Ranks:
+    """A group whose other ranks answered ``theirs`` to gather_ints."""
+
+    def __init__(self, *theirs: tuple[int, int]) -> None:
+        self.theirs = theirs
+
+    def gather_ints(self, *mine: int) -> list[tuple[int, ...]]:
+        return [tuple(mine), *self.theirs]
+
+
+def test_the_ranks_whose_directories_share_a_device_split_its_queue_depth(tmp_path):
+    node, device = device_of(tmp_path)
+    other_dir = tmp_path / "rank1"
+    other_dir.mkdir()
+    assert device_of(other_dir) == (node, device)  # one file system
+    # Two more ranks on this device, one on another device of this node, one
+    # on the same device number of another machine: three share it.
+    group = _Ranks((node, device), (node, device), (node, device + 1), (node + 1, device))
+    assert ranks_sharing(group, tmp_path) == 3
+    assert share_of({"queue_depth": 8, "block_size": 1 << 20}, 3) == {"queue_depth": 2, "block_size": 1 << 20}
+    assert share_of({"queue_depth": 2}, 3) == {"queue_depth": 1}  # never below one chunk
+    default = tierflow._core.aio_config({})["queue_depth"]
+    assert share_of(None, 2) == {"queue_depth": default // 2}  # the engine's default depth, split
+    assert share_of({"queue_depth": 8}, 1) == {"queue_depth": 8} and share_of(None, 1) is None

@@ -6,7 +6,8 @@ smaller than the ranks, one whose shards are whole pages: read from NVMe
 straight into their slot) homed on NVMe, with a host tier too small to keep
 them, and fetch them as a forward and a backward would, for several
 iterations: the first records the order, the next gather ahead, the last
-departs from the order. Every fetched parameter is compared byte for byte
+departs from the order. The ranks' NVMe directories lie on one device, so
+they split the aio queue depth. Every fetched parameter is compared byte for byte
 with a plain gather of the same bytes: each rank's shard read from its
 block and all-gathered by torch.distributed.
 
@@ -32,6 +33,7 @@ from tierflow.zero.plan import links_of, make_plan
 # 12_288: shards of whole pages on 2 and 3 ranks, read from NVMe straight into their slot
 SIZES = (1, 777, 4096, 12_345, 65_537, 3, 20_000, 12_288)
 TIMEOUT = 5.0
+QUEUE_DEPTH = 6
 
 
 def model() -> nn.Module:
@@ -47,6 +49,7 @@ def config(nvme: str) -> dict:
         "train_micro_batch_size_per_gpu": 1,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "aio": {"queue_depth": QUEUE_DEPTH},  # the device's: the ranks split it
         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
                               "offload_optimizer": {"device": "cpu"},
                               "stage3_param_persistence_threshold": 0},
@@ -118,7 +121,8 @@ def main() -> None:
         if iteration == 1:
             result["ahead_after_second"] = store.gathered_ahead
     result.update(ahead=store.gathered_ahead, dropped=store.gathers_dropped, direct=store.shards_read_into_slots, departures=store._order.departures,
-                  counts=store.group.counts, read=links_of(store.telemetry()).get("nvme->host", 0))
+                  counts=store.group.counts, read=links_of(store.telemetry()).get("nvme->host", 0),
+                  sharing=store.nvme_sharing, queue_depth=store.store.io_config()["queue_depth"])
     nvme_dir = store.nvme_dir
     store.close()  # after a failure too: no hang, no error raised twice, the files removed
     result["files_left"] = sorted(os.listdir(nvme_dir)) if os.path.isdir(nvme_dir) else []

@@ -268,6 +268,16 @@ class Group:
         self._run(lambda x: self._dist.all_reduce(x, group=self.process_group), t)
         return t.tolist()
 
+    def gather_ints(self, *values: int) -> list[tuple[int, ...]]:
+        """Every rank's ``values`` (int64, as many on each), in rank order
+        (torch.distributed's)."""
+        if not self.active:
+            return [tuple(values)]
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = torch.empty(len(values) * self.world_size, dtype=torch.int64)
+        self._run(lambda o, m: self._dist.all_gather_into_tensor(o, m, group=self.process_group), out, mine)
+        return [tuple(row) for row in out.view(self.world_size, -1).tolist()]
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``tensor`` replaced in place by rank ``src``'s values."""
         if self.active:

@@ -63,6 +63,7 @@ from tierflow.zero.buffers import GatherBuffers
 from tierflow.zero.comm import Group, Pending
 from tierflow.zero.copies import copy_into, norm_sq
 from tierflow.zero.plan import PAGE, Plan, format_bytes, pages
+from tierflow.zero.sharing import ranks_sharing, share_of
 
 #: Gathers issued ahead of their fetch, at most (several ranks).
 AHEAD = 2
@@ -285,12 +286,14 @@ class ParamStore:
         # which take the whole budget but the device tier's one page.
         tier_budget = plan.device_budget if world == 1 else PAGE
         self.gather_budget = plan.device_budget if world == 1 else plan.device_budget - tier_budget
+        # Ranks with their files on one device split its queue depth (sharing.py).
+        self.nvme_sharing = ranks_sharing(self.group, nvme_dir) if needs_nvme and world > 1 else 1
         # Hooks run one at a time, so no lease ends while one is waited on: fail such waits, never hang.
         self.store = _core.Store(plan.host_budget, nvme_dir=nvme_dir,
                                  nvme_budget=(1 << 60) if needs_nvme else 0,
                                  device_budget=tier_budget, device_backend=device_backend,
                                  trace=trace, single_holder=True,
-                                 aio=plan.aio if needs_nvme else None, **files)
+                                 aio=share_of(plan.aio, self.nvme_sharing) if needs_nvme else None, **files)
         self.nvme_dir = nvme_dir
         self.scheduler = _core.PrefetchScheduler(self.store, budget_share=plan.prefetch_share,
                                                  evict_distance=plan.evict_distance,
