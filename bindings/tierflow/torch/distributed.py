@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tierflow import _gloo
+from tierflow import _gloo, _nccl_group
 from tierflow._core import GlooCommunicator
 
 __all__ = ["BACKEND", "ProcessGroupTierflow", "AllGather", "ReduceScatter"]
@@ -62,6 +62,20 @@ def _check(tensors: Sequence[torch.Tensor], collective: str) -> None:
             raise NotImplementedError(
                 f"tierflow backend: {collective} of a {t.dtype} tensor on {t.device} (it moves float32, bfloat16 "
                 "and float16 CPU tensors; give this device another backend, e.g. \"cpu:tierflow,cuda:nccl\")")
+
+
+def _on_device(tensors: Sequence[torch.Tensor], collective: str) -> bool:
+    """Whether FSDP2's ``collective`` over ``tensors`` runs on tierflow's NCCL
+    (CUDA tensors, tierflow built with NCCL) rather than its Gloo (CPU
+    tensors); raises for any other tensors."""
+    if all(_gloo.moves(t) for t in tensors):
+        return False
+    if _nccl_group.available() and all(_nccl_group.moves(t) for t in tensors):
+        return True
+    t = next(t for t in tensors if not _gloo.moves(t))
+    device = " and contiguous CUDA ones (on NCCL)" if _nccl_group.available() else ""
+    raise NotImplementedError(f"tierflow: {collective} of a {t.dtype} tensor on {t.device} (it moves float32, "
+                              f"bfloat16 and float16 CPU tensors{device}, all of one kind)")
 
 
 class _Work(dist.Work):
@@ -318,23 +332,27 @@ _register()
 
 # ---- FSDP2's custom collectives ------------------------------------------------------------------
 
-_communicators: dict[str, GlooCommunicator] = {}
+_communicators: dict[tuple[str, bool], Any] = {}
 _communicators_lock = threading.Lock()
 
 
-def _communicator_of(group: dist.ProcessGroup, timeout: float) -> GlooCommunicator:
-    """The communicator of ``group``: its own under the ``"tierflow"``
-    backend, else one made for it at its first use, meeting through the
-    default group's store under the group's name."""
-    if isinstance(group, ProcessGroupTierflow):
+def _communicator_of(group: dist.ProcessGroup, timeout: float, device: bool = False) -> Any:
+    """The communicator of ``group`` for host memory (Gloo: its own under the
+    ``"tierflow"`` backend) or, with ``device``, for CUDA memory (NCCL, on
+    the current device); else one made for it at its first use, meeting
+    through the default group's store under the group's name."""
+    if isinstance(group, ProcessGroupTierflow) and not device:
         return group.comm
     name = group.group_name
     with _communicators_lock:
-        comm = _communicators.get(name)
+        comm = _communicators.get((name, device))
         if comm is None:
             store = dist.distributed_c10d._get_default_store()
-            comm = _gloo.connect(group.rank(), group.size(), store, f"tierflow-fsdp/{name}", timeout)
-            _communicators[name] = comm
+            if device:
+                comm = _nccl_group.connect(group.rank(), group.size(), store, f"tierflow-fsdp-nccl/{name}", timeout)
+            else:
+                comm = _gloo.connect(group.rank(), group.size(), store, f"tierflow-fsdp/{name}", timeout)
+            _communicators[(name, device)] = comm
         return comm
 
 
@@ -347,8 +365,10 @@ except ImportError:  # a torch without FSDP2's custom collectives
 
 class AllGather(_AllGatherBase):  # type: ignore[misc,valid-type]
     """FSDP2's all-gather (``FSDPModule.set_custom_all_gather``) on tierflow's
-    Gloo communicator for the module's group (CPU shards: FSDP2 with
-    ``CPUOffloadPolicy``, or a CPU mesh), whatever backend the group has.
+    communicators for the module's group, whatever backend the group has:
+    Gloo for CPU shards (FSDP2 with ``CPUOffloadPolicy``, or a CPU mesh),
+    NCCL for CUDA ones where tierflow was built with it (after FSDP2's
+    all-gather stream's work; the wait returns once it has run on the GPU).
     ``timeout``: seconds a collective may take before it fails."""
 
     def __init__(self, timeout: float = 600.0) -> None:
@@ -359,8 +379,8 @@ class AllGather(_AllGatherBase):  # type: ignore[misc,valid-type]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
-        _check((output_tensor, input_tensor), "FSDP2's all-gather")
-        work = _all_gather(_communicator_of(group, self.timeout), output_tensor, input_tensor, group.size())
+        device = _on_device((output_tensor, input_tensor), "FSDP2's all-gather")
+        work = _all_gather(_communicator_of(group, self.timeout, device), output_tensor, input_tensor, group.size())
         if async_op:
             return work
         work.wait()
@@ -369,8 +389,7 @@ class AllGather(_AllGatherBase):  # type: ignore[misc,valid-type]
 
 class ReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
     """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) on
-    tierflow's Gloo communicator for the module's group; see
-    :class:`AllGather`."""
+    tierflow's communicators for the module's group; see :class:`AllGather`."""
 
     def __init__(self, timeout: float = 600.0) -> None:
         self.timeout = float(timeout)
@@ -380,8 +399,9 @@ class ReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> dist.Work | None:
-        _check((output_tensor, input_tensor), "FSDP2's reduce-scatter")
-        work = _reduce_scatter(_communicator_of(group, self.timeout), output_tensor, input_tensor, op, group.size())
+        device = _on_device((output_tensor, input_tensor), "FSDP2's reduce-scatter")
+        work = _reduce_scatter(_communicator_of(group, self.timeout, device), output_tensor, input_tensor, op,
+                               group.size())
         if async_op:
             return work
         work.wait()

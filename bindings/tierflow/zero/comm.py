@@ -13,9 +13,11 @@ process's only by the order of the additions.
 
 Who runs them (``tierflow.collectives``): ``"tierflow"`` (the default) runs
 the parameters' and gradients' collectives on tierflow's own communicators
-where it has one for the buffers' memory — Gloo for host memory, meeting
-through the process group's store — and on ``torch.distributed`` otherwise
-(device memory; :attr:`Group.counts` counts each); ``"torch"`` runs them all
+where it has one for the buffers' memory — Gloo for host memory; NCCL for
+device memory when the process group runs NCCL and tierflow was built with
+it (``tierflow._nccl``, on the NCCL torch brings); each meeting through the
+process group's store — and on ``torch.distributed`` otherwise
+(:attr:`Group.counts` counts each); ``"torch"`` runs them all
 on ``torch.distributed``. The handful of scalar sums and
 barriers a step needs (the gradient norm, an agreement on an error) are fp64
 and always ``torch.distributed``'s. tierflow's collectives are asynchronous:
@@ -39,7 +41,7 @@ from typing import Any
 
 import torch
 
-from tierflow import _gloo
+from tierflow import _gloo, _nccl_group
 
 __all__ = ["Group", "Pending", "current_group", "COLLECTIVES"]
 
@@ -115,6 +117,11 @@ class Group:
         self.collectives = collectives
         self.timeout = float(timeout)
         self._comm: Any = None  # tierflow's communicator over host memory, made at its first use
+        self._device_comm: Any = None  # and over device memory (NCCL)
+        # Device memory on tierflow's NCCL where it was built with one and the
+        # process group runs NCCL (each rank on a GPU of its own); else torch.distributed's.
+        self._device_collectives = (self.active and collectives == "tierflow"
+                                    and dist.get_backend(process_group) == "nccl" and _nccl_group.available())
         # Collectives run by tierflow's communicators and by torch.distributed.
         self.counts = {"tierflow": 0, "torch": 0}
         # NCCL moves device memory only: host tensors (a checkpoint's values,
@@ -139,27 +146,33 @@ class Group:
             return None
         if all(_gloo.moves(t) for t in tensors):
             if self._comm is None:
-                self._comm = self._connect()
+                self._comm = self._connect(_gloo.connect)
             self.counts["tierflow"] += 1
             return self._comm
+        if self._device_collectives and all(_nccl_group.moves(t) for t in tensors):
+            if self._device_comm is None:
+                self._device_comm = self._connect(_nccl_group.connect)
+            self.counts["tierflow"] += 1
+            return self._device_comm
         return None
 
-    def _connect(self) -> Any:
-        """tierflow's Gloo communicator over this group's ranks, meeting
-        through the process group's store."""
+    def _connect(self, connect: Any) -> Any:
+        """One of tierflow's communicators (``connect``: Gloo's or NCCL's)
+        over this group's ranks, meeting through the process group's store."""
         dist = self._dist
         ranks = dist.get_process_group_ranks(self.process_group) if self.process_group is not None \
             else range(self.world_size)
         prefix = f"tierflow/zero/{next(_made)}/" + ",".join(map(str, ranks))
-        return _gloo.connect(self.rank, self.world_size, dist.distributed_c10d._get_default_store(), prefix,
-                             self.timeout)
+        return connect(self.rank, self.world_size, dist.distributed_c10d._get_default_store(), prefix, self.timeout)
 
     def close(self) -> None:
-        """Leaves tierflow's communicator (it waits for what is under way);
-        a later collective makes a new one."""
-        comm, self._comm = self._comm, None
-        if comm is not None:
-            comm.close()
+        """Leaves tierflow's communicators (each waits for what is under
+        way); a later collective makes new ones."""
+        for name in ("_comm", "_device_comm"):
+            comm = getattr(self, name)
+            setattr(self, name, None)
+            if comm is not None:
+                comm.close()
 
     def _run(self, op: Any, tensor: torch.Tensor, *others: torch.Tensor) -> None:
         """``op(tensor, *others)`` on torch.distributed's backend's device:
