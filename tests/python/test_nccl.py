@@ -116,3 +116,22 @@ def test_fsdp2s_collectives_refuse_what_neither_communicator_moves():
         AllGather()(wide, wide[:2], None)
     with pytest.raises(NotImplementedError, match=r"FSDP2's reduce-scatter of a torch.float64 tensor on cpu"):
         ReduceScatter()(wide[:2], wide, None)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="fewer than 2 CUDA devices: a group of several needs them")
+@needs_nccl
+def test_the_engines_device_collectives_run_on_tierflows_nccl(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    ranks = min(torch.cuda.device_count(), 4)
+    worker = os.path.join(os.path.dirname(__file__), "nccl_group_worker.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(ranks), worker, str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for r in range(ranks):
+        result = json.loads((tmp_path / f"out.rank{r}").read_text())
+        assert result["device_collectives"] and result["mismatches"] == [], result
+        assert result["counts"]["tierflow"] == 3 * 3 and result["counts"]["torch"] == 0, result["counts"]
