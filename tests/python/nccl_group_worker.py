@@ -1,6 +1,7 @@
 """One rank of the ZeRO-3 engine's device collectives on tierflow's NCCL
 (``torchrun --nproc-per-node N nccl_group_worker.py OUT``, one GPU a rank):
-every collective and dtype against the values each rank computes for all.
+every collective and dtype against the values each rank computes for all;
+then torch.distributed's API on a "tierflow" group, CUDA tensors on its NCCL.
 Writes OUT.rank<r> (JSON)."""
 
 import json
@@ -48,6 +49,18 @@ def main() -> None:
             result["mismatches"].append(f"broadcast {dtype}")
     result["counts"] = group.counts
     group.close()
+    # torch.distributed's API on the "tierflow" backend, CUDA tensors on its NCCL
+    import tierflow.torch.distributed  # noqa: F401 - registers the backend
+
+    ours = dist.new_group(backend="tierflow")
+    x = torch.full((10,), float(rank + 1), device="cuda")
+    dist.all_reduce(x, group=ours)
+    if not torch.equal(x.cpu(), torch.full((10,), float(world * (world + 1) // 2))):
+        result["mismatches"].append(f"the tierflow backend's all_reduce: {x.cpu().tolist()}")
+    gathered = torch.empty(world * 10, device="cuda")
+    dist.all_gather_into_tensor(gathered, torch.full((10,), float(rank), device="cuda"), group=ours)
+    if not torch.equal(gathered.cpu(), torch.arange(world).repeat_interleave(10).float()):
+        result["mismatches"].append("the tierflow backend's all_gather_into_tensor")
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

@@ -112,9 +112,9 @@ def test_fsdp2s_collectives_refuse_what_neither_communicator_moves():
     from tierflow.torch.distributed import AllGather, ReduceScatter
 
     wide = torch.empty(4, dtype=torch.float64)
-    with pytest.raises(NotImplementedError, match=r"FSDP2's all-gather of a torch.float64 tensor on cpu"):
+    with pytest.raises(NotImplementedError, match=r"tierflow: FSDP2's all-gather of a torch.float64 tensor on cpu"):
         AllGather()(wide, wide[:2], None)
-    with pytest.raises(NotImplementedError, match=r"FSDP2's reduce-scatter of a torch.float64 tensor on cpu"):
+    with pytest.raises(NotImplementedError, match=r"tierflow: FSDP2's reduce-scatter of a torch.float64 tensor on cpu"):
         ReduceScatter()(wide[:2], wide, None)
 
 

@@ -1,11 +1,15 @@
 """tierflow's communicators beneath ``torch.distributed`` and FSDP2.
 
 Importing this module registers the ``torch.distributed`` backend
-``"tierflow"``, whose collectives run on tierflow's Gloo communicator (host
-memory: float32, bfloat16 and float16 tensors on the CPU)::
+``"tierflow"``, whose collectives run on tierflow's communicators: Gloo for
+host memory (float32, bfloat16 and float16 tensors on the CPU) and, where
+tierflow was built with NCCL and a GPU is present, NCCL for CUDA tensors of
+those dtypes (``tierflow._nccl``: one GPU a rank, the current device; each
+collective runs after torch's current stream, and its wait returns once it
+has run on the GPU)::
 
     import tierflow.torch.distributed  # registers the backend
-    torch.distributed.init_process_group("tierflow")        # CPU tensors only
+    torch.distributed.init_process_group("tierflow")        # CPU tensors (and CUDA ones on NCCL)
     torch.distributed.init_process_group("cpu:tierflow,cuda:nccl")
 
 Everything built on ``torch.distributed`` then runs on it — FSDP2's
@@ -36,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from tierflow import _gloo, _nccl_group
-from tierflow._core import GlooCommunicator
 
 __all__ = ["BACKEND", "ProcessGroupTierflow", "AllGather", "ReduceScatter"]
 
@@ -56,26 +59,23 @@ def _op(op: Any, collective: str) -> tuple[str, bool]:
     return _OPS[kind], kind == dist.ReduceOp.RedOpType.AVG
 
 
-def _check(tensors: Sequence[torch.Tensor], collective: str) -> None:
-    for t in tensors:
-        if not _gloo.moves(t):
-            raise NotImplementedError(
-                f"tierflow backend: {collective} of a {t.dtype} tensor on {t.device} (it moves float32, bfloat16 "
-                "and float16 CPU tensors; give this device another backend, e.g. \"cpu:tierflow,cuda:nccl\")")
-
-
-def _on_device(tensors: Sequence[torch.Tensor], collective: str) -> bool:
-    """Whether FSDP2's ``collective`` over ``tensors`` runs on tierflow's NCCL
-    (CUDA tensors, tierflow built with NCCL) rather than its Gloo (CPU
-    tensors); raises for any other tensors."""
+def _on_device(tensors: Sequence[torch.Tensor], collective: str, hint: str = "") -> bool:
+    """Whether ``collective`` (its words in an error: "tierflow backend:
+    all_reduce") over ``tensors`` runs on tierflow's NCCL (CUDA tensors,
+    tierflow built with NCCL) rather than its Gloo (CPU tensors); raises
+    NotImplementedError for any other tensors, ending with ``hint``."""
     if all(_gloo.moves(t) for t in tensors):
         return False
     if _nccl_group.available() and all(_nccl_group.moves(t) for t in tensors):
         return True
     t = next(t for t in tensors if not _gloo.moves(t))
     device = " and contiguous CUDA ones (on NCCL)" if _nccl_group.available() else ""
-    raise NotImplementedError(f"tierflow: {collective} of a {t.dtype} tensor on {t.device} (it moves float32, "
-                              f"bfloat16 and float16 CPU tensors{device}, all of one kind)")
+    raise NotImplementedError(f"{collective} of a {t.dtype} tensor on {t.device} (it moves float32, "
+                              f"bfloat16 and float16 CPU tensors{device}, all of one kind{hint})")
+
+
+#: What the backend's refusals end with.
+_BACKEND_HINT = "; give this device another backend, e.g. \"cpu:tierflow,cuda:nccl\""
 
 
 class _Work(dist.Work):
@@ -157,13 +157,26 @@ class _Work(dist.Work):
 
 class ProcessGroupTierflow(dist.ProcessGroup):
     """The ``"tierflow"`` backend's group: its ranks' collectives on one
-    :class:`~tierflow.GlooCommunicator`, which meets through the group's
-    store (torch.distributed's, prefixed for the group)."""
+    :class:`~tierflow.GlooCommunicator` for CPU tensors and, where tierflow
+    was built with NCCL, one NCCL communicator for CUDA tensors (made at the
+    group's first CUDA collective, on the current device); both meet
+    through the group's store (torch.distributed's, prefixed for the group)."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> None:
         super().__init__(rank, size)
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
         self.comm = _gloo.connect(rank, size, store, BACKEND, seconds)
+        self._store, self._seconds = store, seconds
+        self.device_comm: Any = None
+
+    def _comm(self, tensors: Sequence[torch.Tensor], collective: str) -> Any:
+        """The communicator that moves ``tensors`` (raises for what neither does)."""
+        if not _on_device(tensors, f"tierflow backend: {collective}", _BACKEND_HINT):
+            return self.comm
+        if self.device_comm is None:
+            self.device_comm = _nccl_group.connect(self.rank(), self.size(), self._store, BACKEND + "-nccl",
+                                                   self._seconds)
+        return self.device_comm
 
     # The names torch.distributed gives the group (its pybind trampoline
     # asks these of a Python group).
@@ -189,10 +202,10 @@ class ProcessGroupTierflow(dist.ProcessGroup):
     # ---- the collectives torch's API lowers to ------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        _check(tensors, "all_reduce")
+        comm = self._comm(tensors, "all_reduce")
         op, average = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
         flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-        works = [self.comm.all_reduce(f.view(-1), op=op) for f in flat]
+        works = [comm.all_reduce(f.view(-1), op=op) for f in flat]
 
         def then() -> None:
             for t, f in zip(tensors, flat):
@@ -206,8 +219,7 @@ class ProcessGroupTierflow(dist.ProcessGroup):
         return self.allreduce(tensors, opts)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
-        _check((output, input), "all_gather_into_tensor")
-        return _all_gather(self.comm, output, input, self.size())
+        return _all_gather(self._comm((output, input), "all_gather_into_tensor"), output, input, self.size())
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         return self._allgather_base(output, input, opts)
@@ -220,11 +232,11 @@ class ProcessGroupTierflow(dist.ProcessGroup):
                   opts: Any = None) -> dist.Work:
         works, copies = [], []
         for outputs, input in zip(output_lists, inputs):
-            _check([input, *outputs], "all_gather")
+            comm = self._comm([input, *outputs], "all_gather")
             if len({o.numel() for o in outputs} | {input.numel()}) != 1:
                 raise ValueError("tierflow backend: all_gather of tensors of unequal sizes")
-            full = torch.empty(input.numel() * self.size(), dtype=input.dtype)
-            works.append(self.comm.all_gather(input.contiguous().view(-1), full, [input.numel()] * self.size()))
+            full = torch.empty(input.numel() * self.size(), dtype=input.dtype, device=input.device)
+            works.append(comm.all_gather(input.contiguous().view(-1), full, [input.numel()] * self.size()))
             copies.append((full, outputs))
 
         def then() -> None:
@@ -239,8 +251,8 @@ class ProcessGroupTierflow(dist.ProcessGroup):
         return _Work(works, None, outputs)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
-        _check((output, input), "reduce_scatter_tensor")
-        return _reduce_scatter(self.comm, output, input, opts.reduceOp if opts is not None else dist.ReduceOp.SUM,
+        comm = self._comm((output, input), "reduce_scatter_tensor")
+        return _reduce_scatter(comm, output, input, opts.reduceOp if opts is not None else dist.ReduceOp.SUM,
                                self.size())
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
@@ -264,10 +276,10 @@ class ProcessGroupTierflow(dist.ProcessGroup):
         return _Work(works, None, outputs)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        _check(tensors, "broadcast")
+        comm = self._comm(tensors, "broadcast")
         root = opts.rootRank if opts is not None else 0
         flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-        works = [self.comm.broadcast(f.view(-1), root) for f in flat]
+        works = [comm.broadcast(f.view(-1), root) for f in flat]
 
         def then() -> None:
             for t, f in zip(tensors, flat):
@@ -279,14 +291,16 @@ class ProcessGroupTierflow(dist.ProcessGroup):
         return _Work([self.comm.all_reduce(torch.zeros(1), op="sum")])
 
     def shutdown(self) -> None:
-        """Leaves the communicator (destroy_process_group calls it); a
+        """Leaves the communicators (destroy_process_group calls it); a
         collective after it raises."""
-        comm, self.comm = self.comm, None
-        if comm is not None:
-            comm.close()
+        for name in ("comm", "device_comm"):
+            comm = getattr(self, name)
+            setattr(self, name, None)
+            if comm is not None:
+                comm.close()
 
 
-def _all_gather(comm: GlooCommunicator, output: torch.Tensor, input: torch.Tensor, size: int) -> _Work:
+def _all_gather(comm: Any, output: torch.Tensor, input: torch.Tensor, size: int) -> _Work:
     """``output`` (``size`` × ``input``'s elements, contiguous) becomes every
     rank's ``input`` in rank order; in place when ``input`` is this rank's
     slot of it."""
@@ -298,7 +312,7 @@ def _all_gather(comm: GlooCommunicator, output: torch.Tensor, input: torch.Tenso
     return _Work([work], None if out is output else (lambda: output.copy_(out)), [output])
 
 
-def _reduce_scatter(comm: GlooCommunicator, output: torch.Tensor, input: torch.Tensor, op: Any,
+def _reduce_scatter(comm: Any, output: torch.Tensor, input: torch.Tensor, op: Any,
                     size: int) -> _Work:
     """``output`` becomes this rank's slice of the reduction of every rank's
     ``input`` (``size`` × ``output``'s elements)."""
@@ -324,7 +338,8 @@ def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Pr
 
 def _register() -> None:
     if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+        devices = ["cpu", "cuda"] if _nccl_group.available() else ["cpu"]
+        dist.Backend.register_backend(BACKEND, _create, devices=devices)
 
 
 _register()
@@ -379,7 +394,7 @@ class AllGather(_AllGatherBase):  # type: ignore[misc,valid-type]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
-        device = _on_device((output_tensor, input_tensor), "FSDP2's all-gather")
+        device = _on_device((output_tensor, input_tensor), "tierflow: FSDP2's all-gather")
         work = _all_gather(_communicator_of(group, self.timeout, device), output_tensor, input_tensor, group.size())
         if async_op:
             return work
@@ -399,7 +414,7 @@ class ReduceScatter(_ReduceScatterBase):  # type: ignore[misc,valid-type]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> dist.Work | None:
-        device = _on_device((output_tensor, input_tensor), "FSDP2's reduce-scatter")
+        device = _on_device((output_tensor, input_tensor), "tierflow: FSDP2's reduce-scatter")
         work = _reduce_scatter(_communicator_of(group, self.timeout, device), output_tensor, input_tensor, op,
                                group.size())
         if async_op:
