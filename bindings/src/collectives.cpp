@@ -59,15 +59,13 @@ void join(gloo_communicator* self, int rank, int size, std::optional<nb::object>
 }  // namespace
 
 void bind_collectives(nb::module_& m) {
-  nb::class_<py_work>(m, "Work",
+  bind_work<py_work>(m, "Work",
       "The completion of one collective on this rank, or of a Lease.copy_into (keeps its\n"
-      "buffers alive; dropped unfinished, it waits first).")
-      .def("wait", &py_work::wait,
-           "Blocks (the GIL released) until it has finished; raises its error (TierflowError\n"
-           "naming the rank and the collective, or the block and the file) if it failed.")
-      .def_prop_ro("done", &py_work::done, "Whether it has finished, done or failed; never blocks.");
+      "buffers alive; dropped unfinished, it waits first).",
+      "Blocks (the GIL released) until it has finished; raises its error (TierflowError\n"
+      "naming the rank and the collective, or the block and the file) if it failed.");
 
-  nb::class_<gloo_communicator>(
+  nb::class_<gloo_communicator> gloo(
       m, "GlooCommunicator",
       "Collectives over CPU buffers between the ranks of a group, on Gloo's TCP transport.\n"
       "Every rank issues the same collectives in the same order; each returns a Work at once\n"
@@ -75,14 +73,12 @@ void bind_collectives(nb::module_& m) {
       "float32, bfloat16 or float16, left alone until the Work is done. A failed collective\n"
       "(a peer died, `timeout` seconds passed) breaks the communicator: every pending and later\n"
       "collective fails too. The ranks meet through `store` (torch.distributed's TCPStore, or\n"
-      "anything with set(key, bytes) and a blocking get(key)) or the directory `store_dir`.")
-      .def("__init__", &join,
+      "anything with set(key, bytes) and a blocking get(key)) or the directory `store_dir`.");
+  gloo.def("__init__", &join,
            "rank"_a, "size"_a, nb::kw_only(), "store"_a = nb::none(), "store_dir"_a = nb::none(),
            "prefix"_a = "tierflow", "hostname"_a = "127.0.0.1", "timeout"_a = 60.0,
            "Joins the group (blocks until every rank has). `prefix`: the keys' prefix in the store,\n"
            "one per communicator; `hostname`: the address this rank listens on.")
-      .def_prop_ro("rank", &gloo_communicator::rank)
-      .def_prop_ro("size", &gloo_communicator::size)
       .def("all_gather",
            [](gloo_communicator& c, const const_buffer& in, buffer& out, const std::vector<std::size_t>& counts,
               const py_work* after) { return c.all_gather(in, out, counts, after ? after->work : nullptr); },
@@ -92,17 +88,8 @@ void bind_collectives(nb::module_& m) {
            "in rank order; counts may be uneven and 0. `after`: a Work (Lease.copy_into's read of\n"
            "the input, say) the gather waits for on the communicator's thread before it starts,\n"
            "so it can be issued now; when that fails, the gather fails with its error and the\n"
-           "communicator is broken.")
-      .def("reduce_scatter", &gloo_communicator::reduce_scatter, "input"_a, "output"_a, "counts"_a, "op"_a = "sum",
-           "`output` (counts[rank] elements) becomes the reduction ('sum', 'max', 'min') over the\n"
-           "ranks of their `input` (sum(counts) elements)'s slice for this rank.")
-      .def("all_reduce", &gloo_communicator::all_reduce, "tensor"_a, "op"_a = "sum",
-           "`tensor` becomes the reduction ('sum', 'max', 'min') over the ranks of theirs.")
-      .def("broadcast", &gloo_communicator::broadcast, "tensor"_a, "root"_a,
-           "`tensor` becomes the root's on every rank.")
-      .def("close", &gloo_communicator::close,
-           "Waits for the collectives under way and leaves the group. Idempotent; a collective\n"
-           "after it raises ValueError.");
+           "communicator is broken.");
+  bind_collectives_of(gloo);
 }
 
 }  // namespace tierflow::python

@@ -14,6 +14,8 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "arrays.hpp"
 #include "tierflow/collectives/communicator.hpp"
@@ -188,5 +190,32 @@ class bound_communicator {
   std::unique_ptr<collectives::communicator> comm_;
   std::string name_;
 };
+
+// Binds a basic_work as `name`: wait() and done, `doc` and `wait_doc` its words.
+template <class Work>
+void bind_work(nanobind::module_& m, const char* name, const char* doc, const char* wait_doc) {
+  nanobind::class_<Work>(m, name, doc)
+      .def("wait", &Work::wait, wait_doc)
+      .def_prop_ro("done", &Work::done, "Whether it has finished, done or failed; never blocks.");
+}
+
+// Binds what every bound communicator has beside its constructor and its
+// all_gather (whose options differ): rank, size, reduce_scatter,
+// all_reduce, broadcast and close.
+template <class Communicator>
+void bind_collectives_of(nanobind::class_<Communicator>& c) {
+  using namespace nanobind::literals;
+  c.def_prop_ro("rank", &Communicator::rank)
+      .def_prop_ro("size", &Communicator::size)
+      .def("reduce_scatter", &Communicator::reduce_scatter, "input"_a, "output"_a, "counts"_a, "op"_a = "sum",
+           "`output` (counts[rank] elements) becomes the reduction ('sum', 'max', 'min') over the\n"
+           "ranks of their `input` (sum(counts) elements)'s slice for this rank.")
+      .def("all_reduce", &Communicator::all_reduce, "tensor"_a, "op"_a = "sum",
+           "`tensor` becomes the reduction ('sum', 'max', 'min') over the ranks of theirs.")
+      .def("broadcast", &Communicator::broadcast, "tensor"_a, "root"_a, "`tensor` becomes the root's on every rank.")
+      .def("close", &Communicator::close,
+           "Waits for the collectives under way and leaves the group. Idempotent; a collective\n"
+           "after it raises ValueError.");
+}
 
 }  // namespace tierflow::python

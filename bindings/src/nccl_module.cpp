@@ -108,15 +108,13 @@ NB_MODULE(_nccl, m) {
         "The runtime NCCL's version as NCCL_VERSION_CODE writes it (23007 for 2.30.7); 0 when built\n"
         "without NCCL.");
 
-  nb::class_<nccl_work>(m, "NcclWork",
+  bind_work<nccl_work>(m, "NcclWork",
       "The completion of one NCCL collective on this rank: an event on the communicator's stream\n"
-      "(keeps its tensors alive; dropped unfinished, it waits first).")
-      .def("wait", &nccl_work::wait,
-           "Blocks (the GIL released) until the collective has run on the GPU; raises TierflowError\n"
-           "naming the rank, the collective and NCCL's words if it failed or passed the timeout.")
-      .def_prop_ro("done", &nccl_work::done, "Whether it has finished, done or failed; never blocks.");
+      "(keeps its tensors alive; dropped unfinished, it waits first).",
+      "Blocks (the GIL released) until the collective has run on the GPU; raises TierflowError\n"
+      "naming the rank, the collective and NCCL's words if it failed or passed the timeout.");
 
-  nb::class_<nccl_binding>(
+  nb::class_<nccl_binding> nccl(
       m, "NcclCommunicator",
       "Collectives over CUDA tensors between the ranks of a group, one GPU a rank, on NCCL.\n"
       "Every rank issues the same collectives in the same order; each is enqueued on the\n"
@@ -126,15 +124,13 @@ NB_MODULE(_nccl, m) {
       "timed-out collective aborts NCCL's communicator and breaks this one: every pending and\n"
       "later collective fails with its error. The ranks meet through `store`\n"
       "(torch.distributed's TCPStore, or anything with set(key, bytes) and a blocking get(key);\n"
-      "None for a group of one), where rank 0 puts NCCL's unique id under `prefix`.")
-      .def("__init__", &join, "rank"_a, "size"_a, "device"_a, nb::kw_only(), "store"_a = nb::none(),
+      "None for a group of one), where rank 0 puts NCCL's unique id under `prefix`.");
+  nccl.def("__init__", &join, "rank"_a, "size"_a, "device"_a, nb::kw_only(), "store"_a = nb::none(),
            "prefix"_a = "tierflow", "timeout"_a = 60.0, "policy"_a = "standard", "stream"_a = 0,
            "Joins the group (blocks until every rank has, or raises TierflowError after `timeout`\n"
            "seconds). policy: NCCL's CTA policy, 'standard', 'efficiency' or 'zero' (copy engines\n"
            "where NCCL 2.28.3+ has them; the default policy on older ones). stream: a CUDA stream's\n"
            "handle (torch.cuda.Stream.cuda_stream) to enqueue on, 0 for a stream of its own.")
-      .def_prop_ro("rank", &nccl_binding::rank)
-      .def_prop_ro("size", &nccl_binding::size)
       .def_prop_ro("device", &nccl_binding::device, "The CUDA device this rank runs on.")
       .def_prop_ro("stream", &nccl_binding::stream,
                    "The handle of the CUDA stream every collective is enqueued on\n"
@@ -149,15 +145,6 @@ NB_MODULE(_nccl, m) {
               const std::vector<std::size_t>& counts) { return c.all_gather(in, out, counts); },
            "input"_a, "output"_a, "counts"_a,
            "`output` (sum(counts) elements) becomes every rank's `input` (counts[rank] elements)\n"
-           "in rank order; counts may be uneven (one broadcast a rank) and 0.")
-      .def("reduce_scatter", &nccl_binding::reduce_scatter, "input"_a, "output"_a, "counts"_a, "op"_a = "sum",
-           "`output` (counts[rank] elements) becomes the reduction ('sum', 'max', 'min') over the\n"
-           "ranks of their `input` (sum(counts) elements)'s slice for this rank.")
-      .def("all_reduce", &nccl_binding::all_reduce, "tensor"_a, "op"_a = "sum",
-           "`tensor` becomes the reduction ('sum', 'max', 'min') over the ranks of theirs.")
-      .def("broadcast", &nccl_binding::broadcast, "tensor"_a, "root"_a,
-           "`tensor` becomes the root's on every rank.")
-      .def("close", &nccl_binding::close,
-           "Waits for the collectives under way and leaves the group. Idempotent; a collective\n"
-           "after it raises ValueError.");
+           "in rank order; counts may be uneven (one broadcast a rank) and 0.");
+  bind_collectives_of(nccl);
 }

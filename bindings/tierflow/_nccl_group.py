@@ -15,6 +15,7 @@ streams may read the result.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -24,9 +25,10 @@ from tierflow import _gloo
 __all__ = ["available", "moves", "connect", "DeviceCommunicator"]
 
 
+@functools.cache
 def available() -> bool:
     """Whether tierflow was built with NCCL (``tierflow._nccl``) and a CUDA
-    device is present to run it on."""
+    device is present to run it on (asked once: every collective asks)."""
     try:
         from tierflow import _nccl
     except ImportError:  # the wheel's libnccl.so.2 missing, say
