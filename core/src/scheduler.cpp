@@ -285,7 +285,11 @@ void prefetch_scheduler::end_iteration() {
   stats_.last_iteration_stall = iteration_stall_;
   stats_.per_access_stall = observed_stall_;
   const bool changed = schedule_.empty() || departed_ || observed_.size() != schedule_.size();
-  if (changed && !observed_.empty()) {
+  if (changed) {
+    // An iteration with no accesses departs too: its empty order becomes the
+    // schedule, so the next one prefetches nothing it will not ask for (the
+    // ZeRO-3 engine's gathers read NVMe straight into their buffers, past the
+    // scheduler: a stale schedule would load host copies no one reads).
     if (!schedule_.empty()) stats_.rerecords += 1;
     schedule_ = observed_;
     compute_next_uses();

@@ -248,7 +248,9 @@ TEST(Scheduler, StagesNothingAnOverwriteDiscardsAndKeepsWrittenCopiesUsedNext) {
     }
     sched.end_iteration();
     // The next forward's first block stays, not even written back yet.
-    if (iteration > 0) EXPECT_EQ(store->state(ids[0], tier_kind::host), copy_state::dirty);
+    if (iteration > 0) {
+      EXPECT_EQ(store->state(ids[0], tier_kind::host), copy_state::dirty);
+    }
   }
   EXPECT_EQ(sched.stats().rerecords, 0u);
   for (const auto& tier : store->telemetry().tiers) EXPECT_LE(tier.high_water, tier.budget) << tier.name;
@@ -279,6 +281,37 @@ TEST(Scheduler, ReRecordsWhenTheOrderChanges) {
   ASSERT_EQ(sched.schedule().size(), reversed.size());
   for (std::size_t i = 0; i < reversed.size(); ++i) EXPECT_EQ(sched.schedule()[i].block, reversed[i]);
   run_iteration(sched, reversed, std::chrono::milliseconds(0));
+  EXPECT_EQ(sched.stats().rerecords, 1u);
+}
+
+// An iteration that asks for nothing (every block read past the scheduler,
+// as the ZeRO-3 engine's gathers read NVMe into their buffers) departs from
+// the schedule: the next iterations prefetch nothing, where the stale
+// schedule would load each iteration host copies no one reads.
+TEST(Scheduler, AnIterationWithoutAccessesLeavesNothingToPrefetch) {
+  testing::temp_dir dir;
+  auto store = make_test_store(dir.path(), 8 * mib);
+  const auto ids = make_blocks(*store, 6, mib, "b");
+  prefetch_scheduler sched(*store);
+  run_iteration(sched, ids, std::chrono::milliseconds(0));
+  run_iteration(sched, ids, std::chrono::milliseconds(0));
+  // The first iteration without accesses still begins on the old schedule
+  // (it cannot know), and departs from it.
+  run_iteration(sched, {}, std::chrono::milliseconds(0));
+  EXPECT_TRUE(sched.schedule().empty());
+  EXPECT_EQ(sched.stats().rerecords, 1u);
+  store->flush();  // (its prefetches done)
+  for (const block_id id : ids) store->evict(id, tier_kind::host);
+  const auto prefetches = store->telemetry().prefetches;
+  const auto loaded = link_bytes(*store, "nvme->host");
+  run_iteration(sched, {}, std::chrono::milliseconds(0));
+  run_iteration(sched, {}, std::chrono::milliseconds(0));
+  store->flush();
+  EXPECT_EQ(store->telemetry().prefetches, prefetches);
+  EXPECT_EQ(link_bytes(*store, "nvme->host"), loaded);
+  // The next iteration that asks is recorded afresh, and the one after it prefetches.
+  run_iteration(sched, ids, std::chrono::milliseconds(0));
+  EXPECT_EQ(sched.schedule().size(), ids.size());
   EXPECT_EQ(sched.stats().rerecords, 1u);
 }
 

@@ -110,7 +110,8 @@ class prefetch_scheduler {
   // beyond the horizon.
   void release(lease&& l, dirty d);
   // Ends the iteration; adopts this iteration's order when it departed from
-  // the schedule (or was the recording one).
+  // the schedule (or was the recording one) — an empty order too, when the
+  // iteration made no access: nothing is then prefetched for the next.
   void end_iteration();
 
   const scheduler_stats& stats() const noexcept { return stats_; }
