@@ -44,6 +44,21 @@ def test_gathers_through_the_tiers_are_a_plain_gathers_bytes(tmp_path, ranks):
         assert r["counts"]["torch"] == 1 and r["counts"]["tierflow"] > 0
         assert r["read"] > 0 and r["files_left"] == []
         assert r["sharing"] == ranks and r["queue_depth"] == 6 // ranks  # one device's depth, split
+        assert 0 < r["high_water"] <= r["gather_budget"]
+
+
+def test_gathers_ahead_stay_within_the_device_budget_and_the_prefetch_bucket(tmp_path):
+    # A budget that holds fewer gathers ahead than the order offers: the one
+    # being fetched counts beside them.
+    (tmp_path / "tight").mkdir()
+    (tmp_path / "off").mkdir()
+    for r in run(tmp_path / "tight", 2, "tight"):
+        assert r["mismatches"] == [] and r["errors"] == []
+        assert r["ahead"] > 0 and r["high_water"] <= r["gather_budget"] < 1 << 20, r
+    # stage3_prefetch_bucket_size 0: every gather on demand
+    for r in run(tmp_path / "off", 2, "no_prefetch"):
+        assert r["mismatches"] == [] and r["errors"] == []
+        assert r["ahead"] == 0 and r["dropped"] == 0 and r["direct"] > 0, r
 
 
 def test_a_rank_dying_with_gathers_in_flight_fails_the_others_at_once(tmp_path):

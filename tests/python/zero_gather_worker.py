@@ -28,7 +28,7 @@ from torch import nn
 import tierflow
 from tierflow.zero.comm import Group
 from tierflow.zero.partition import ParamStore, data_of
-from tierflow.zero.plan import links_of, make_plan
+from tierflow.zero.plan import links_of, make_plan, pages
 
 # 12_288: shards of whole pages on 2 and 3 ranks, read from NVMe straight into their slot
 SIZES = (1, 777, 4096, 12_345, 65_537, 3, 20_000, 12_288)
@@ -44,8 +44,8 @@ def model() -> nn.Module:
     return m
 
 
-def config(nvme: str) -> dict:
-    return {
+def config(nvme: str, mode: str) -> dict:
+    c = {
         "train_micro_batch_size_per_gpu": 1,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -55,6 +55,9 @@ def config(nvme: str) -> dict:
                               "stage3_param_persistence_threshold": 0},
         "tierflow": {"device_memory": 1 << 20, "host_memory": 400 << 10, "collectives_timeout": TIMEOUT},
     }
+    if mode == "no_prefetch":  # DeepSpeed's prefetch off: nothing gathered ahead
+        c["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+    return c
 
 
 def plain_gather(store: ParamStore, part) -> torch.Tensor:
@@ -75,11 +78,16 @@ def main() -> None:
     mode = sys.argv[3] if len(sys.argv) > 3 else "check"
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    cfg = tierflow.config.from_deepspeed(config(nvme), world_size=dist.get_world_size())
+    cfg = tierflow.config.from_deepspeed(config(nvme, mode), world_size=dist.get_world_size())
     m = model()
     values = {name: p.detach().clone() for name, p in m.named_parameters()}
     store = ParamStore(make_plan(m, cfg, world_size=dist.get_world_size()), group=Group.from_options(cfg.tierflow))
     parts = [store.adopt(p, name, persistent=False) for name, p in m.named_parameters()]
+    if mode == "tight":
+        # Room for the three largest gathered at once, fewer than the order
+        # offers ahead (the smallest device_memory the plan takes holds all of
+        # this model twice): the one being fetched counts beside those ahead.
+        store.gather_budget = sum(sorted(pages(part.nbytes) for part in parts)[-3:])
     expected = [plain_gather(store, part) for part in parts]
     for part in parts:  # every shard at home only, as after a first pass over a larger model
         store.store.evict(part.block, "host")
@@ -122,7 +130,8 @@ def main() -> None:
             result["ahead_after_second"] = store.gathered_ahead
     result.update(ahead=store.gathered_ahead, dropped=store.gathers_dropped, direct=store.shards_read_into_slots, departures=store._order.departures,
                   counts=store.group.counts, read=links_of(store.telemetry()).get("nvme->host", 0),
-                  sharing=store.nvme_sharing, queue_depth=store.store.io_config()["queue_depth"])
+                  sharing=store.nvme_sharing, queue_depth=store.store.io_config()["queue_depth"],
+                  high_water=store.gathered_high_water, gather_budget=store.gather_budget)
     nvme_dir = store.nvme_dir
     store.close()  # after a failure too: no hang, no error raised twice, the files removed
     result["files_left"] = sorted(os.listdir(nvme_dir)) if os.path.isdir(nvme_dir) else []

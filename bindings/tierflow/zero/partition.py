@@ -25,10 +25,12 @@ pipeline: its shard is leased in host memory (read from NVMe ahead of use by
 the scheduler, as any block), copied straight into this rank's slot of the
 gather buffer on the device (on a copy stream of its own on a GPU), the lease
 ended, and the buffer all-gathered in place, asynchronously. During an
-iteration the store gathers ahead: as one parameter is fetched, the next
-:data:`AHEAD` that the last iteration fetched after it (ahead.py) are issued
-too, within the budget, so each gather runs while the layers before it
-compute. A gradient is reduce-scattered to the rank's shard of the mean,
+iteration the store gathers ahead: as one parameter is fetched, the gathers
+of those the last iteration fetched after it (ahead.py) are issued too, in
+that order, while the parameters on their way hold less than DeepSpeed's
+``stage3_prefetch_bucket_size`` (:attr:`Plan.gather_ahead_bytes`; 0: none
+ahead) and within the budget, so each gather runs while the layers before it
+compute, and each read from NVMe runs ahead of its gather. A gradient is reduce-scattered to the rank's shard of the mean,
 also asynchronously (the add into its block waits for it), before it is
 accumulated; and the optimizer steps each rank's shards (a flat parameter per
 partition, :attr:`Partition.step_param`). The gathered buffers, those in use
@@ -47,7 +49,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import itertools
 import math
 import os
 import weakref
@@ -64,9 +65,6 @@ from tierflow.zero.comm import Group, Pending
 from tierflow.zero.copies import copy_into, norm_sq
 from tierflow.zero.plan import PAGE, Plan, format_bytes, pages
 from tierflow.zero.sharing import ranks_sharing, share_of
-
-#: Gathers issued ahead of their fetch, at most (several ranks).
-AHEAD = 2
 
 __all__ = ["ParamStore", "Partition", "StoredParameter", "NotGatheredError"]
 
@@ -471,7 +469,7 @@ class ParamStore:
             pending = self._start_gather(part)
         if self.in_iteration:
             self._order.fetched(part.index)
-            self._gather_ahead()
+            self._gather_ahead(need)
         full = pending.wait()
         if full.is_cuda:  # made on the copy stream, read on the compute stream
             full.record_stream(torch.cuda.current_stream(full.device))
@@ -544,17 +542,24 @@ class ParamStore:
             if lease is not None:
                 self._unlease(lease, dirty=False)
 
-    def _gather_ahead(self) -> None:
-        """Issues the gathers of the next :data:`AHEAD` fetches the last
-        iteration made after this point, within the gather budget."""
-        for index in itertools.islice(self._order.upcoming(), AHEAD):
+    def _gather_ahead(self, current_bytes: int) -> None:
+        """Issues the gathers of the fetches the last iteration made after
+        this point, in order, while those on their way hold less than the
+        prefetch window (as DeepSpeed's prefetch bucket: the last one may
+        pass it) and within the gather budget beside ``current_bytes``, the
+        parameter being fetched (not resident yet). A later fetch of that
+        one (a backward's, after a release) is gathered ahead too."""
+        window = self.plan.gather_ahead_bytes
+        for index in self._order.upcoming():
+            if self._ahead_bytes >= window:
+                return
             if index in self._ahead or index >= len(self.parts):
                 continue
             part = self.parts[index]
             need = pages(part.nbytes)
             if part.resident or not part.sharded:
                 continue
-            if self._resident_bytes + self._ahead_bytes + need > self.gather_budget:
+            if self._resident_bytes + current_bytes + self._ahead_bytes + need > self.gather_budget:
                 return
             self._ahead[index] = self._start_gather(part, ahead=True)
             self._ahead_bytes += need

@@ -127,6 +127,9 @@ class Plan:
     # accesses within which a released parameter stays (stage3_max_reuse_distance).
     prefetch_share: float = 0.75
     evict_distance: int = 0
+    # Several ranks: the bytes of parameters whose gathers are issued ahead
+    # of their fetch, at most (the same window, of the gathered parameters).
+    gather_ahead_bytes: int = 100_000_000
     # The share of the host tier's room (beside the blocks homed there: the
     # gradients, with DeepSpeed's keys) that stages parameters homed on NVMe
     # ahead of use — offload_param's buffers, used for what they are for,
@@ -441,7 +444,8 @@ def make_plan(model: torch.nn.Module | None, config: Config, *, sizes: dict[str,
                 param_bytes=param_bytes, grad_bytes=grad_bytes, state_bytes=state_bytes,
                 minimum_device=minimum_device, minimum_device_reason=device_reason,
                 minimum_host=minimum_host, minimum_host_reason=host_reason, sources=sources,
-                prefetch_share=prefetch_share, evict_distance=evict_distance, world_size=world_size,
+                prefetch_share=prefetch_share, evict_distance=evict_distance,
+                gather_ahead_bytes=prefetch_window(z, element), world_size=world_size,
                 zenflow_bytes=zenflow_bytes, zenflow_nvme_bytes=zenflow_nvme,
                 aio=config.aio.engine_options() if config.aio is not None else None)
 
@@ -523,6 +527,13 @@ def links_of(telemetry: dict) -> dict[str, int]:
     return {link["name"]: link["bytes"] for link in telemetry["links"]}
 
 
+def prefetch_window(z: Any, element: int) -> int:
+    """The bytes DeepSpeed's stage-3 keys let prefetches hold:
+    ``stage3_prefetch_bucket_size`` elements, at most
+    ``stage3_max_live_parameters``, of ``element`` bytes each."""
+    return min(_resolved(z.stage3_prefetch_bucket_size, 50_000_000), z.stage3_max_live_parameters) * element
+
+
 def scheduler_settings(z: Any, element: int, device_budget: int, mean_numel: float) -> tuple[float, int]:
     """DeepSpeed's stage-3 residency keys as the prefetch scheduler's options:
     prefetches may fill ``stage3_prefetch_bucket_size`` elements (at most
@@ -532,8 +543,7 @@ def scheduler_settings(z: Any, element: int, device_budget: int, mean_numel: flo
     — and a parameter released with its next use
     within ``stage3_max_reuse_distance`` elements (counted in accesses of the
     mean parameter's size) stays in the device tier."""
-    bucket = _resolved(z.stage3_prefetch_bucket_size, 50_000_000)
-    window = min(bucket, z.stage3_max_live_parameters) * element
+    window = prefetch_window(z, element)
     share = min(0.75, window / device_budget) if device_budget else 0.0
     distance = max(1, round(z.stage3_max_reuse_distance / max(1.0, mean_numel)))
     return share, min(distance, 1 << 30)
