@@ -55,6 +55,8 @@ def config(nvme: str, mode: str) -> dict:
                               "stage3_param_persistence_threshold": 0},
         "tierflow": {"device_memory": 1 << 20, "host_memory": 400 << 10, "collectives_timeout": TIMEOUT},
     }
+    if mode == "kill":  # one gather ahead, left unanswered when rank 1 dies (a bucket of 1 element)
+        c["zero_optimization"]["stage3_prefetch_bucket_size"] = 1
     if mode == "no_prefetch":  # DeepSpeed's prefetch off: nothing gathered ahead
         c["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
     return c

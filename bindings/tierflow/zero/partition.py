@@ -30,10 +30,11 @@ of those the last iteration fetched after it (ahead.py) are issued too, in
 that order, while the parameters on their way hold less than DeepSpeed's
 ``stage3_prefetch_bucket_size`` (:attr:`Plan.gather_ahead_bytes`; 0: none
 ahead) and within the budget, so each gather runs while the layers before it
-compute, and each read from NVMe runs ahead of its gather. A gradient is reduce-scattered to the rank's shard of the mean,
-also asynchronously (the add into its block waits for it), before it is
-accumulated; and the optimizer steps each rank's shards (a flat parameter per
-partition, :attr:`Partition.step_param`). The gathered buffers, those in use
+compute, and each read from NVMe runs ahead of its gather. A gradient is
+reduce-scattered to the rank's shard of the mean, also asynchronously (the
+add into its block waits for it), before it is accumulated; and the
+optimizer steps each rank's shards (a flat parameter per partition,
+:attr:`Partition.step_param`). The gathered buffers, those in use
 and those on their way, are bounded by the device budget (less a page for
 the device tier, which holds nothing then), so a rank's device never holds
 more than ``tierflow.device_memory``. Whole-parameter reads (a checkpoint,
