@@ -59,6 +59,7 @@ void join(gloo_communicator* self, int rank, int size, std::optional<nb::object>
 }  // namespace
 
 void bind_collectives(nb::module_& m) {
+  static const std::string gloo_strided_doc = std::string(strided_doc) + "\n`after`: as all_gather's.";
   bind_work<py_work>(m, "Work",
       "The completion of one collective on this rank, or of a Lease.copy_into (keeps its\n"
       "buffers alive; dropped unfinished, it waits first).",
@@ -88,7 +89,13 @@ void bind_collectives(nb::module_& m) {
            "in rank order; counts may be uneven and 0. `after`: a Work (Lease.copy_into's read of\n"
            "the input, say) the gather waits for on the communicator's thread before it starts,\n"
            "so it can be issued now; when that fails, the gather fails with its error and the\n"
-           "communicator is broken.");
+           "communicator is broken.")
+      .def("all_gather_strided",
+           [](gloo_communicator& c, const const_buffer& in, buffer& out, std::size_t stride, const py_work* after) {
+             return c.all_gather_strided(in, out, stride, after ? after->work : nullptr);
+           },
+           "input"_a, "output"_a, "stride"_a, nb::kw_only(), "after"_a = nb::none(),
+           gloo_strided_doc.c_str());
   bind_collectives_of(gloo);
 }
 

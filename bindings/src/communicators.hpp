@@ -135,6 +135,21 @@ class bound_communicator {
     return {std::move(w), in, out};
   }
 
+  // `in`'s elements into `out` at `stride` a rank: `out` holds from this
+  // chunk's piece of rank 0's shard to the end of the last rank's.
+  work_type all_gather_strided(const In& in, Out& out, std::size_t stride,
+                               const collectives::work_ptr& after = nullptr) {
+    collectives::communicator& c = comm();
+    const dtype t = same_type(in, out, "all_gather_strided");
+    const std::size_t count = in.size(), need = (c.size() - 1) * stride + count;
+    if (count != 0 && out.size() < need)
+      throw user_error("all_gather_strided: the output has " + std::to_string(out.size()) + " elements, " +
+                       std::to_string(c.size()) + " ranks' " + std::to_string(count) + " at a stride of " +
+                       std::to_string(stride) + " need " + std::to_string(need));
+    auto w = c.all_gather_strided(after, in.data(), out.data(), count, stride, t);
+    return {std::move(w), in, out};
+  }
+
   work_type reduce_scatter(const In& in, Out& out, const std::vector<std::size_t>& counts, const std::string& op) {
     collectives::communicator& c = comm();
     const dtype t = same_type(in, out, "reduce_scatter");
@@ -190,6 +205,12 @@ class bound_communicator {
   std::unique_ptr<collectives::communicator> comm_;
   std::string name_;
 };
+
+// all_gather_strided's docstring, the same for every communicator.
+inline constexpr const char* strided_doc =
+    "`output[r * stride:][:len(input)]` becomes rank r's `input` (as many elements on every rank),\n"
+    "what lies between left alone: one chunk of each rank's shard gathered into its place in the\n"
+    "full tensor (`output` starts at rank 0's piece). In place when `input` is this rank's piece.";
 
 // Binds a basic_work as `name`: wait() and done, `doc` and `wait_doc` its words.
 template <class Work>

@@ -145,6 +145,11 @@ NB_MODULE(_nccl, m) {
               const std::vector<std::size_t>& counts) { return c.all_gather(in, out, counts); },
            "input"_a, "output"_a, "counts"_a,
            "`output` (sum(counts) elements) becomes every rank's `input` (counts[rank] elements)\n"
-           "in rank order; counts may be uneven (one broadcast a rank) and 0.");
+           "in rank order; counts may be uneven (one broadcast a rank) and 0.")
+      .def("all_gather_strided",
+           [](nccl_binding& c, const const_device_buffer& in, device_buffer& out, std::size_t stride) {
+             return c.all_gather_strided(in, out, stride);
+           },
+           "input"_a, "output"_a, "stride"_a, strided_doc);
   bind_collectives_of(nccl);
 }

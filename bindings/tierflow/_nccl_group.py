@@ -73,6 +73,12 @@ class DeviceCommunicator:
             after.wait()
         return self._issue(lambda: self._comm.all_gather(input, output, counts), input, output)
 
+    def all_gather_strided(self, input: torch.Tensor, output: torch.Tensor, stride: int, *,
+                           after: Any = None) -> Any:
+        if after is not None:
+            after.wait()
+        return self._issue(lambda: self._comm.all_gather_strided(input, output, stride), input, output)
+
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, counts: list[int], op: str = "sum") -> Any:
         return self._issue(lambda: self._comm.reduce_scatter(input, output, counts, op), input, output)
 

@@ -1,7 +1,10 @@
 // What every communicator shares (communicator.hpp).
 #include "tierflow/collectives/communicator.hpp"
 
+#include <string>
 #include <utility>
+
+#include "tierflow/core/error.hpp"
 
 namespace tierflow::collectives {
 
@@ -38,6 +41,12 @@ work_ptr communicator::all_gather_after(const work_ptr& after, const void* in, v
                                         std::span<const std::size_t> counts, dtype t) {
   if (after) after->wait();
   return all_gather(in, out, counts, t);
+}
+
+void check_stride(const communicator& c, std::size_t count, std::size_t stride) {
+  if (c.size() > 1 && count > stride)
+    throw user_error("all_gather_strided: " + std::to_string(count) + " elements a rank overlap at a stride of " +
+                     std::to_string(stride));
 }
 
 }  // namespace tierflow::collectives

@@ -11,6 +11,8 @@
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
 #include <pthread.h>
 #include <sys/stat.h>
 
@@ -19,6 +21,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdint>
@@ -28,6 +31,7 @@
 #include <functional>
 #include <mutex>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -192,6 +196,39 @@ class gloo_communicator final : public communicator {
   work_ptr all_gather_after(const work_ptr& after, const void* in, void* out, std::span<const std::size_t> counts,
                             dtype t) override {
     return submit("all_gather", gather(in, out, counts, t), after);
+  }
+
+  // Gloo has no all-gather into strided places: its allgatherv's ring, on
+  // one unbound buffer over the pieces' span, each rank passing on to the
+  // right the piece it got from the left the round before (its own first).
+  work_ptr all_gather_strided(const work_ptr& after, const void* in, void* out, std::size_t count,
+                              std::size_t stride, dtype t) override {
+    check_stride(*this, count, stride);
+    const std::size_t bytes = count * size_of(t), step = stride * size_of(t);
+    return submit("all_gather", [=, this](std::uint32_t tag) {
+      if (count == 0) return;
+      auto* base = static_cast<std::byte*>(out);
+      if (in != base + rank_ * step) std::memcpy(base + rank_ * step, in, bytes);
+      if (size_ == 1) return;
+      auto pieces = context_->createUnboundBuffer(base, (size_ - 1) * step + bytes);
+      const auto slot = gloo::Slot::build(gloo::kAllgatherSlotPrefix, tag);
+      const int right = (rank_ + 1) % size_, left = (rank_ + size_ - 1) % size_;
+      const auto deadline = std::chrono::steady_clock::now() + options_.timeout;  // for the whole collective
+      const auto settle = [&] {
+        const auto left_ms = [&] {
+          return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                            deadline - std::chrono::steady_clock::now()));
+        };
+        if (!pieces->waitSend(left_ms()) || !pieces->waitRecv(left_ms())) throw std::runtime_error("aborted");
+      };
+      for (int round = 0; round < size_ - 1; ++round) {
+        if (round > 0) settle();  // the piece to pass on has arrived, the last one has left
+        const int sent = (rank_ - round + size_) % size_, received = (rank_ - round - 1 + size_) % size_;
+        pieces->send(right, slot, sent * step, bytes);
+        pieces->recv(left, slot, received * step, bytes);
+      }
+      settle();
+    }, after);
   }
 
   work_ptr reduce_scatter(const void* in, void* out, std::span<const std::size_t> counts, dtype t,

@@ -326,6 +326,28 @@ class nccl_communicator_impl final : public nccl_communicator {
     });
   }
 
+  // `after` (a host read, in the engine) is waited for here, as by default.
+  // Pieces side by side (or one rank's alone) are one all-gather; else one
+  // broadcast a rank into its place, in one group (one launch).
+  work_ptr all_gather_strided(const work_ptr& after, const void* in, void* out, std::size_t count,
+                              std::size_t stride, dtype t) override {
+    check_stride(*this, count, stride);
+    if (after) after->wait();
+    if (count == 0) return issue("all_gather", nullptr);
+    const ncclDataType_t type = nccl_type(t);
+    const std::size_t step = stride * size_of(t);
+    return issue("all_gather", [=, this](ncclComm_t comm) {
+      if (stride == count || size() == 1) return ncclAllGather(in, out, count, type, comm, stream());
+      ncclResult_t rc = ncclGroupStart();
+      for (int r = 0; r < size() && rc == ncclSuccess; ++r) {
+        void* piece = static_cast<std::byte*>(out) + r * step;
+        rc = ncclBroadcast(r == rank() ? in : piece, piece, count, type, r, comm, stream());
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return rc != ncclSuccess ? rc : end;
+    });
+  }
+
   work_ptr reduce_scatter(const void* in, void* out, std::span<const std::size_t> counts, dtype t,
                           reduce_op op) override {
     const std::vector<std::size_t> elements = checked_counts(counts, "reduce_scatter");

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <numeric>
 #include <stdexcept>
 #include <thread>
@@ -198,6 +199,74 @@ TEST_P(GlooRanks, BroadcastGivesEveryRankTheRootsBuffer) {
       for (std::size_t i = 0; i < b.size(); ++i)
         require(b.get(i) == value(n - 1, i), std::string(tf::name(t)) + ": element " + std::to_string(i));
     }
+  }));
+}
+
+TEST_P(GlooRanks, AllGatherStridedPutsEachRanksChunkInItsPlaceAndLeavesTheRestAlone) {
+  const int n = GetParam();
+  expect_all_passed(run_ranks(n, [n](tc::communicator& comm) {
+    constexpr std::size_t shard = 10, chunk = 4;  // chunks of 4, 4 and 2 of every rank's shard of 10
+    constexpr float untouched = -1.0f;
+    for (tf::dtype t : every_dtype) {
+      const std::string what(tf::name(t));
+      buffer full(t, n * shard);
+      for (std::size_t i = 0; i < full.size(); ++i) full.set(i, untouched);
+      const std::size_t mine = comm.rank() * shard;
+      for (std::size_t i = 0; i < shard; ++i) full.set(mine + i, value(comm.rank(), i));
+      auto* base = static_cast<std::byte*>(full.data());
+      const std::size_t element = tf::size_of(t);
+      // The middle chunk first, in place: every rank's lands, the others' places stay as they were.
+      comm.all_gather_strided(nullptr, base + (mine + chunk) * element, base + chunk * element, chunk, shard, t)
+          ->wait();
+      for (int r = 0; r < n; ++r)
+        for (std::size_t i = 0; i < shard; ++i) {
+          const bool gathered = r == comm.rank() || (i >= chunk && i < 2 * chunk);
+          require(full.get(r * shard + i) == (gathered ? value(r, i) : untouched),
+                  what + ": after the middle chunk, rank " + std::to_string(r) + "'s element " + std::to_string(i));
+        }
+      // The first from a buffer of its own (not in place), the last (shorter) in place, issued together.
+      buffer first(t, chunk);
+      for (std::size_t i = 0; i < chunk; ++i) first.set(i, value(comm.rank(), i));
+      auto a = comm.all_gather_strided(nullptr, first.data(), base, chunk, shard, t);
+      auto b = comm.all_gather_strided(nullptr, base + (mine + 2 * chunk) * element, base + 2 * chunk * element,
+                                       shard - 2 * chunk, shard, t);
+      a->wait();
+      b->wait();
+      for (int r = 0; r < n; ++r)
+        for (std::size_t i = 0; i < shard; ++i)
+          require(full.get(r * shard + i) == value(r, i), what + ": rank " + std::to_string(r) + "'s element " +
+                                                              std::to_string(i));
+    }
+    comm.all_gather_strided(nullptr, nullptr, nullptr, 0, 0, tf::dtype::fp32)->wait();  // nothing: done
+    bool refused = false;
+    try {
+      std::vector<float> out(2 * n);
+      comm.all_gather_strided(nullptr, out.data(), out.data(), 3, 2, tf::dtype::fp32);
+    } catch (const tf::user_error& e) {
+      refused = std::string(e.what()).find("overlap at a stride of 2") != std::string::npos;
+    }
+    require(refused, "pieces that overlap are a user_error naming the stride");
+  }));
+}
+
+TEST(Gloo, AllGatherStridedAfterAReadStartsOnceTheReadHasFilledTheSlot) {
+  expect_all_passed(run_ranks(2, [](tc::communicator& comm) {
+    constexpr std::size_t shard = 8, chunk = 8;
+    std::vector<float> full(2 * shard, -1.0f);
+    auto read = std::make_shared<tc::signalled_work>();
+    float* slot = full.data() + comm.rank() * shard;
+    // The "read" fills the slot later, on a thread of its own; the gather is issued now.
+    std::thread filler([&] {
+      std::this_thread::sleep_for(50ms);
+      for (std::size_t i = 0; i < chunk; ++i) slot[i] = value(comm.rank(), i);
+      read->finish(nullptr);
+    });
+    auto gathered = comm.all_gather_strided(read, slot, full.data(), chunk, shard, tf::dtype::fp32);
+    gathered->wait();
+    filler.join();
+    for (int r = 0; r < 2; ++r)
+      for (std::size_t i = 0; i < chunk; ++i)
+        require(full[r * shard + i] == value(r, i), "rank " + std::to_string(r) + "'s element " + std::to_string(i));
   }));
 }
 

@@ -214,6 +214,13 @@ void every_collective_on_one_rank(tc::communicator& comm) {
     root.upload(expected);
     comm.broadcast(root.data, n, t, 0)->wait();
     EXPECT_EQ(root.download(bytes), expected) << "broadcast " << tf::name(t);
+    // Strided: one rank's piece lands at the output's start, at any stride.
+    device_buffer strided(2 * bytes);
+    strided.upload(std::vector<std::byte>(2 * bytes, std::byte{0x5a}));
+    comm.all_gather_strided(nullptr, in.data, strided.data, n, 2 * n, t)->wait();
+    std::vector<std::byte> want = expected;
+    want.resize(2 * bytes, std::byte{0x5a});
+    EXPECT_EQ(strided.download(2 * bytes), want) << "all_gather_strided " << tf::name(t);
   }
   const std::size_t none[1] = {0};
   EXPECT_TRUE(comm.all_gather(nullptr, nullptr, none, tf::dtype::fp32)->done());

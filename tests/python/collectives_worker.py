@@ -55,6 +55,17 @@ def main() -> None:
         work.wait()
         check(f"all_reduce max {dtype} (torch.distributed's)", ours, theirs)
 
+        # A chunk of each rank's shard of 10 (elements 4 to 7) gathered into its place; the rest untouched.
+        shard = 10
+        strided = torch.full((world * shard,), -1.0, dtype=dtype)
+        strided[rank * shard:][:shard] = value(rank, shard, dtype)
+        comm.all_gather_strided(strided[rank * shard + 4:][:3], strided[4:], shard).wait()
+        want = torch.full((world * shard,), -1.0, dtype=dtype)
+        for r in range(world):
+            want[r * shard + 4:][:3] = value(r, shard, dtype)[4:7]
+        want[rank * shard:][:shard] = value(rank, shard, dtype)
+        check(f"all_gather_strided {dtype}", strided, want)
+
         b = value(rank, 257, dtype)
         comm.broadcast(b, world - 1).wait()
         check(f"broadcast {dtype}", b, value(world - 1, 257, dtype))
@@ -65,6 +76,12 @@ def main() -> None:
     except ValueError as e:
         if "the counts add up to" not in str(e):
             failures.append(f"wrong-size output: {e}")
+    try:
+        comm.all_gather_strided(torch.zeros(3), torch.zeros(3 * world), 2)
+        failures.append("overlapping pieces were taken")
+    except ValueError as e:
+        if "3 elements a rank overlap at a stride of 2" not in str(e):
+            failures.append(f"overlapping pieces: {e}")
     comm.close()
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(failures, f)

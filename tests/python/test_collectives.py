@@ -40,6 +40,12 @@ def test_one_rank_over_a_directory_and_its_errors(tmp_path):
         comm.all_gather(t, torch.empty(5), [5])
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         comm.all_reduce(torch.arange(3))
+    # One rank's strided gather: its piece into its place (rank 0's: the start), the rest left alone.
+    full = torch.full((8,), -1.0)
+    comm.all_gather_strided(torch.tensor([1.0, 2.0]), full[2:], 4).wait()
+    assert full.tolist() == [-1, -1, 1, 2, -1, -1, -1, -1]
+    with pytest.raises(ValueError, match="the output has 1 elements, 1 ranks' 2 at a stride of 4 need 2"):
+        comm.all_gather_strided(torch.tensor([1.0, 2.0]), full[7:], 4)
     comm.close()
     comm.close()
     with pytest.raises(ValueError, match="closed"):

@@ -67,6 +67,11 @@ def test_a_group_of_one_is_exact_for_every_collective(dtype):
         comm.all_reduce(y, "max").wait()
         comm.broadcast(y, 0).wait()
         assert torch.equal(y, x)
+        # A chunk into its place (one rank's: from the output's start), the rest left alone.
+        full = torch.full((2000,), -1, dtype=dtype, device="cuda")
+        stream.wait_stream(torch.cuda.current_stream())
+        comm.all_gather_strided(x[:10], full[5:], 1000).wait()
+        assert torch.equal(full[5:15], x[:10]) and bool((full[:5] == -1).all()) and bool((full[15:] == -1).all())
         empty = torch.empty(0, dtype=dtype, device="cuda")
         comm.all_gather(empty, torch.empty(0, dtype=dtype, device="cuda"), [0]).wait()
         with pytest.raises(ValueError, match="all_gather: 2 counts for 1 ranks"):

@@ -81,6 +81,15 @@ class communicator {
   // caller waits here, and `after`'s error is thrown here, nothing issued.
   virtual work_ptr all_gather_after(const work_ptr& after, const void* in, void* out,
                                     std::span<const std::size_t> counts, dtype t);
+  // `out` gets every rank's `in` (`count` elements, the same on every rank),
+  // rank r's at `out + r * stride` elements; what lies between the pieces is
+  // left alone. So a chunk of every rank's shard is gathered into its place
+  // in the full tensor, the rest of which other chunks' gathers fill. In
+  // place when `in` is this rank's piece. Started once `after` (null:
+  // nothing) is done, as all_gather_after's. Refused (user_error) when
+  // `count` exceeds `stride` with more than one rank: the pieces would overlap.
+  virtual work_ptr all_gather_strided(const work_ptr& after, const void* in, void* out, std::size_t count,
+                                      std::size_t stride, dtype t) = 0;
   // `out` (counts[rank()] elements) becomes the reduction over the ranks of
   // their `in` (sum(counts) elements)'s slice for this rank.
   virtual work_ptr reduce_scatter(const void* in, void* out, std::span<const std::size_t> counts, dtype t,
@@ -90,5 +99,9 @@ class communicator {
   // `buffer` (`count` elements) becomes the root's on every rank.
   virtual work_ptr broadcast(void* buffer, std::size_t count, dtype t, int root) = 0;
 };
+
+// Throws all_gather_strided's user_error when `count` elements a rank
+// overlap at `stride` on `c` (more than one rank): for its backends.
+void check_stride(const communicator& c, std::size_t count, std::size_t stride);
 
 }  // namespace tierflow::collectives
