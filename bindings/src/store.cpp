@@ -218,7 +218,8 @@ class lease_handle {
   }
 
   // Starts a copy of the granted copy's bytes into `out` (see the docstring).
-  py_work copy_into(buffer& out, const std::string& traffic) TF_EXCLUDES(mutex_) {
+  py_work copy_into(buffer& out, const std::string& traffic, std::optional<std::uint64_t> offset)
+      TF_EXCLUDES(mutex_) {
     const traffic_class cls = parse_traffic(traffic);
     auto copied = std::make_shared<collectives::signalled_work>();
     {
@@ -227,8 +228,10 @@ class lease_handle {
       refuse_if_released("copy_into");
       if (!granted_)
         throw user_error("Lease.copy_into: " + label() + " has not been granted yet (call wait() first)");
-      state_->store->copy_out(lease_, {static_cast<std::byte*>(out.data()), out.nbytes()}, cls,
-                              [copied](std::exception_ptr e) { copied->finish(std::move(e)); });
+      const std::span<std::byte> into{static_cast<std::byte*>(out.data()), out.nbytes()};
+      auto finish = [copied](std::exception_ptr e) { copied->finish(std::move(e)); };
+      if (offset) state_->store->copy_out(lease_, *offset, into, cls, std::move(finish));
+      else state_->store->copy_out(lease_, into, cls, std::move(finish));
       copies_.push_back(copied);
     }
     return {copied, std::nullopt, out};
@@ -701,15 +704,19 @@ void bind_store(nb::module_& m) {
                    "Whether wait() would return at once (with the bytes, or by raising the load's\n"
                    "error); False once released.")
       .def_prop_ro("released", &lease_handle::released, "Whether the lease was released.")
-      .def("copy_into", &lease_handle::copy_into, "out"_a, "traffic"_a = "demand",
+      .def("copy_into", &lease_handle::copy_into, "out"_a, "traffic"_a = "demand", nb::kw_only(),
+           "offset"_a = nb::none(),
            "Starts copying the granted copy's bytes into `out`, CPU memory of the caller's (a\n"
            "C-contiguous tensor or array of at least the block's size rounded up to whole 4 KiB\n"
            "pages, starting on a page boundary), over the link from this tier to the host tier:\n"
            "from NVMe, a read straight into `out` (no copy in the host tier), counted in the\n"
            "nvme->host link's telemetry. Returns a Work at once (its wait() raises the read's\n"
            "error, naming the block and the file); the release waits for it. `traffic`: the\n"
-           "class it runs in. A lease not granted (wait() first), a host-tier lease (read its\n"
-           "bytes) or `out` too small or misaligned is a ValueError.")
+           "class it runs in. `offset` (bytes): copy only the part of the block from there on\n"
+           "that fills `out` (both in whole pages, within the block), so a pipeline can start on\n"
+           "the first part; refused for a store whose checksums cover NVMe blocks (a part cannot\n"
+           "be checked). A lease not granted (wait() first), a host-tier lease (read its\n"
+           "bytes) or `out` too small, misaligned or past the block is a ValueError.")
       .def_prop_ro("block", &lease_handle::block, "The block's id.")
       .def_prop_ro("tier", &lease_handle::tier, "The tier of the copy: 'device', 'host' or 'nvme'.")
       .def_prop_ro("mode", &lease_handle::mode, "'read', 'write' or 'overwrite'.")

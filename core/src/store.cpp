@@ -282,6 +282,16 @@ void block_store::release(lease&& l, dirty d) {
 }
 
 void block_store::copy_out(const lease& l, std::span<std::byte> into, traffic_class cls, link::completion done) {
+  copy_out_range(l, 0, into, false, cls, std::move(done));
+}
+
+void block_store::copy_out(const lease& l, std::uint64_t offset, std::span<std::byte> into, traffic_class cls,
+                           link::completion done) {
+  copy_out_range(l, offset, into, true, cls, std::move(done));
+}
+
+void block_store::copy_out_range(const lease& l, std::uint64_t offset, std::span<std::byte> into, bool part,
+                                 traffic_class cls, link::completion done) {
   lock_guard lock(mutex_);
   if (l.state_ == nullptr || l.store_ != this) throw user_error("copy_out: a lease of another store, or none");
   const detail::lease_state& s = *l.state_;
@@ -294,9 +304,23 @@ void block_store::copy_out(const lease& l, std::span<std::byte> into, traffic_cl
   link* through = links_[index_of(s.tier)][index_of(tier_kind::host)].get();
   if (through == nullptr)
     throw user_error(what + ": no " + std::string(name(s.tier)) + "->host link in this store");
-  if (into.size() < b.bytes)
+  // The whole block (into at least its aligned size), or a part of it.
+  if (!part && into.size() < b.bytes)
     throw user_error(what + ": " + std::to_string(into.size()) + " bytes given for its " +
                      std::to_string(b.bytes) + " (its size in whole pages)");
+  const std::uint64_t bytes = part ? into.size() : b.bytes;
+  if (part && !(offset == 0 && bytes == b.bytes)) {
+    if (offset % block_alignment != 0 || bytes % block_alignment != 0 || bytes == 0)
+      throw user_error(what + ": a part of " + std::to_string(bytes) + " bytes at " + std::to_string(offset) +
+                       " is not in whole " + std::to_string(block_alignment) + "-byte pages");
+    if (offset + bytes > b.bytes)
+      throw user_error(what + ": a part of " + std::to_string(bytes) + " bytes at " + std::to_string(offset) +
+                       " runs past its " + std::to_string(b.bytes) + " (its size in whole pages)");
+    if (tier_of(s.tier).verifies_whole_blocks())
+      throw user_error(what + ": tier " + std::string(name(s.tier)) +
+                       " checks whole blocks against their checksums, and a part could not be checked; "
+                       "copy the whole block");
+  }
   if (reinterpret_cast<std::uintptr_t>(into.data()) % block_alignment != 0)
     throw user_error(what + ": the memory given does not start on a " + std::to_string(block_alignment) +
                      "-byte boundary");
@@ -311,8 +335,13 @@ void block_store::copy_out(const lease& l, std::span<std::byte> into, traffic_cl
   t.from = s.tier;
   t.to = tier_kind::host;
   t.source = c.storage;
+  if (offset != 0) {  // the part's storage: as far into a file or a region
+    if (t.source.data != nullptr) t.source.data += offset;
+    t.source.offset += offset;
+    t.source.size -= offset;
+  }
   t.destination = tier_allocation{.data = into.data(), .offset = 0, .size = into.size(), .file = 0};
-  t.bytes = b.bytes;
+  t.bytes = bytes;
   t.cls = cls;
   through->submit(std::move(t), [this, id = s.block, from = s.tier, done = std::move(done)](std::exception_ptr e) {
     on_copy_out_done(id, from, e);

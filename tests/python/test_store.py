@@ -396,6 +396,42 @@ def test_copy_into_reads_an_nvme_block_straight_into_the_callers_memory(tmp_path
     store.close()
 
 
+def test_copy_into_a_part_reads_those_pages_alone_and_is_refused_where_checksums_cover_whole_blocks(tmp_path):
+    store = tiered_store(tmp_path)
+    block = store.create_block("shard", 20 * KIB, home="nvme")  # five pages
+    at_home(store, block, pattern(20 * KIB, 3))
+    with store.acquire(block, "nvme") as lease:
+        lease.wait()
+        out = page_aligned(20 * KIB)
+        out.fill_(0xAB)
+        # The middle three pages, then the first and the last page, each into its place.
+        lease.copy_into(out[4 * KIB:16 * KIB], offset=4 * KIB).wait()
+        assert (out[:4 * KIB] == 0xAB).all() and (out[16 * KIB:] == 0xAB).all()  # nothing past the part
+        np.testing.assert_array_equal(out[4 * KIB:16 * KIB].numpy(), pattern(20 * KIB, 3)[4 * KIB:16 * KIB])
+        lease.copy_into(out[:4 * KIB], offset=0).wait()
+        lease.copy_into(out[16 * KIB:], offset=16 * KIB).wait()
+        np.testing.assert_array_equal(out.numpy(), pattern(20 * KIB, 3))
+        with pytest.raises(ValueError, match="runs past its 20480"):
+            lease.copy_into(out[:8 * KIB], offset=16 * KIB)
+        with pytest.raises(ValueError, match="not in whole 4096-byte pages"):
+            lease.copy_into(out[:4 * KIB], offset=100)
+        with pytest.raises(ValueError, match="not in whole 4096-byte pages"):
+            lease.copy_into(out[:100], offset=0)
+    store.close()
+
+    checked = tiered_store(tmp_path, "checked", checksums=True)
+    block = checked.create_block("shard", 8 * KIB, home="nvme")
+    at_home(checked, block, pattern(8 * KIB, 4))
+    with checked.acquire(block, "nvme") as lease:
+        lease.wait()
+        out = page_aligned(8 * KIB)
+        with pytest.raises(ValueError, match="a part could not be checked"):
+            lease.copy_into(out[:4 * KIB], offset=0)
+        lease.copy_into(out, offset=0).wait()  # the whole block as a part: checked, and allowed
+        np.testing.assert_array_equal(out.numpy(), pattern(8 * KIB, 4))
+    checked.close()
+
+
 def test_close_with_a_held_lease_names_the_block_and_the_store_stays_usable(tmp_path):
     store = tiered_store(tmp_path)
     a = store.create_block("layers.3.w", 8 * KIB)

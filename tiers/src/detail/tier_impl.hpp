@@ -70,6 +70,7 @@ class nvme_tier final : public tier {
   io::file_space& space() noexcept { return *space_; }
   const io::file& file_of(const tier_allocation& a) const;
   bool checksums() const noexcept { return checksums_; }
+  bool verifies_whole_blocks() const noexcept override { return checksums_; }
   // The checksum of what was last written to `a` (checksums on).
   void record_checksum(const tier_allocation& a, std::uint64_t sum) TF_EXCLUDES(mutex_);
   // Throws tierflow::error (EBADMSG) naming the block when `sum` differs.

@@ -164,6 +164,15 @@ class block_store {
   // bytes), no such link, or `into` too small or misaligned.
   void copy_out(const lease& l, std::span<std::byte> into, traffic_class cls, link::completion done)
       TF_EXCLUDES(mutex_);
+  // copy_out of a part: the block's bytes from `offset` on, `into.size()` of
+  // them — a chunk of a shard, so a gather can start on it before the rest
+  // is read. `offset` and `into.size()` are multiples of block_alignment,
+  // within the block's aligned size. Throws user_error as copy_out does, for
+  // a part past the block or misaligned, and for a part of a copy in a tier
+  // that checks whole blocks against their checksums (NVMe with checksums
+  // on: the part could not be checked, so it is not read unchecked).
+  void copy_out(const lease& l, std::uint64_t offset, std::span<std::byte> into, traffic_class cls,
+                link::completion done) TF_EXCLUDES(mutex_);
 
   // Hint: start loading `id` into `where` if it is absent and there is room
   // without evicting dirty or leased copies; otherwise the hint is dropped
@@ -254,6 +263,8 @@ class block_store {
   void submit(block_id id, tier_kind from, tier_kind to, traffic_class cls) TF_REQUIRES(mutex_);
   void on_transfer_done(block_id id, tier_kind from, tier_kind to, traffic_class cls,
                         std::exception_ptr error) TF_EXCLUDES(mutex_);
+  void copy_out_range(const lease& l, std::uint64_t offset, std::span<std::byte> into, bool part,
+                      traffic_class cls, link::completion done) TF_EXCLUDES(mutex_);
   void on_copy_out_done(block_id id, tier_kind from, std::exception_ptr error) TF_EXCLUDES(mutex_);
   void refuse_if_closed(std::string_view what) const TF_REQUIRES(mutex_);
   void refuse_if_leased() const TF_REQUIRES(mutex_);

@@ -115,6 +115,10 @@ class tier {
   // Returns storage from allocate(). Never throws.
   virtual void deallocate(const tier_allocation& allocation) noexcept = 0;
 
+  // Whether what is read from it is checked against a checksum of the whole
+  // block (NVMe with checksums on): a part of a block cannot be checked.
+  virtual bool verifies_whole_blocks() const noexcept { return false; }
+
   // Extra facts for telemetry ("pinning": "mlock", "numa_node": "0", ...).
   virtual std::map<std::string, std::string> details() const { return {}; }
 };
