@@ -49,7 +49,7 @@ import torch.distributed as dist
 import time
 
 
-def build(args, collectives: str):
+def build(args, collectives: str, chunk: int | None = None):
     """A store with this rank's shards of the parameters, and its partitions."""
     import tierflow
     from tierflow.zero.comm import Group
@@ -73,7 +73,8 @@ def build(args, collectives: str):
         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": args.nvme_dir},
                               "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 0},
         # the parameter in use and the gathers ahead, whole
-        "tierflow": {"device_memory": (2 + 4) * args.numel * 2, "collectives": collectives},
+        "tierflow": {"device_memory": (2 + 4) * args.numel * 2, "collectives": collectives,
+                     "gather_chunk": args.gather_chunk if chunk is None else chunk},
     }, world_size=world)
     # The planner sizes the host tier for gradients of every parameter, these
     # frozen ones' too: the budget is set on the plan instead.
@@ -153,6 +154,7 @@ def main(argv=None) -> int:
     p.add_argument("--host-memory", type=int)
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--queue-depth", type=int, default=8)
+    p.add_argument("--gather-chunk", type=int, default=16 << 20)
     p.add_argument("--json")
     args = p.parse_args(argv)
     for name in ("params", "numel", "iterations", "queue_depth"):
@@ -170,8 +172,9 @@ def main(argv=None) -> int:
     # A store for each stage that runs a store's iteration: the schedule one
     # records is its own (the read alone's would prefetch host copies the
     # pipeline never asks for).
-    built = {name: build(args, collectives) for name, collectives in
-             (("read", "tierflow"), ("pipeline", "tierflow"), ("pipeline_torch", "torch"))}
+    built = {name: build(args, collectives, chunk) for name, collectives, chunk in
+             (("read", "tierflow", None), ("pipeline", "tierflow", None), ("pipeline_whole", "tierflow", 0),
+              ("pipeline_torch", "torch", None))}
     host = built["read"][2]
     read_bytes = {name: (lambda store=store: links_of(store.telemetry()).get("nvme->host", 0))
                   for name, (store, _, _) in built.items()}
@@ -181,6 +184,7 @@ def main(argv=None) -> int:
             "read": read_alone(*built["read"][:2]),
             "gather": gather_alone(*built["read"][:2]),
             "pipeline": pipeline(*built["pipeline"][:2]),
+            "pipeline_whole": pipeline(*built["pipeline_whole"][:2]),
             "pipeline_torch": pipeline(*built["pipeline_torch"][:2]),
         })
         read_per = (read_bytes["read"]() - before["read"]) / (1 + args.iterations)
@@ -207,7 +211,9 @@ def main(argv=None) -> int:
               f"on NVMe, through {host / mib:.0f} MiB of host memory, a queue depth of {depth} of the device's "
               f"{args.queue_depth} a rank); median of {args.iterations}")
         rows = (("NVMe read alone", "read"), ("all-gather alone (tierflow's Gloo)", "gather"),
-                ("pipeline on tierflow's Gloo", "pipeline"), ("pipeline on torch.distributed's gloo", "pipeline_torch"))
+                ("pipeline on tierflow's Gloo", "pipeline"),
+                ("  the same, parameters gathered whole", "pipeline_whole"),
+                ("pipeline on torch.distributed's gloo", "pipeline_torch"))
         for label, key in rows:
             print(f"  {label:<38}{med[key] * 1e3:9.1f} ms  {bw[key] / mib:8.1f} MiB/s")
         print(f"pipeline over min(read, all-gather): {ratio:.2f} "

@@ -402,6 +402,21 @@ def test_unknown_and_misspelt_keys_are_refused_with_the_nearest_known_key():
         from_deepspeed({"train_batch_size": 1, "tierflow": {"strict_cofig": False}})
 
 
+def test_gather_chunk_is_whole_pages_or_zero_and_reaches_the_plan():
+    stage3 = {"train_batch_size": 1, "zero_optimization": {"stage": 3}}
+    assert from_deepspeed(stage3).tierflow.gather_chunk == 16 << 20
+    assert from_deepspeed({**stage3, "tierflow": {"gather_chunk": "8M"}}).tierflow.gather_chunk == 8 << 20
+    assert from_deepspeed({**stage3, "tierflow": {"gather_chunk": 0}}).tierflow.gather_chunk == 0
+    with pytest.raises(ValueError, match=r"^tierflow.gather_chunk: 5000 bytes is not a whole number of 4 KiB pages"):
+        from_deepspeed({**stage3, "tierflow": {"gather_chunk": 5000}})
+    with pytest.raises(ValueError, match=r"^tierflow.gather_chunk: "):
+        from_deepspeed({**stage3, "tierflow": {"gather_chunk": -4096}})
+    from tierflow.zero.plan import make_plan
+    model = torch.nn.Linear(4, 4)
+    config = from_deepspeed({**stage3, "tierflow": {"gather_chunk": 1 << 20}})
+    assert make_plan(model, config).gather_chunk_bytes == 1 << 20
+
+
 def test_strict_config_false_reports_them_in_one_warning_as_before():
     config = {**NOISY, "tierflow": {"strict_config": False}}
     with pytest.warns(TierflowConfigWarning) as caught:

@@ -47,6 +47,18 @@ def test_gathers_through_the_tiers_are_a_plain_gathers_bytes(tmp_path, ranks):
         assert 0 < r["high_water"] <= r["gather_budget"]
 
 
+def test_shards_gathered_a_chunk_at_a_time_are_a_plain_gathers_bytes(tmp_path):
+    # Three ranks, chunks of one page: the direct reads into the slot and the
+    # copies from host memory, each chunk gathered into its place behind its own.
+    for r in run(tmp_path, 3, "chunks"):
+        assert r["mismatches"] == [] and r["errors"] == []
+        assert r["direct"] > 0 and r["ahead"] == 45 and r["dropped"] == 0
+        # Shards of 2048 bf16 elements a chunk: 12_345, 65_537, 20_000 and 12_288 elements
+        # (3, 11, 4 and 2 chunks of a rank's third), each fetched twice an iteration: 40 in each
+        # of the first four; the last fetches the first three (36). The others are one chunk: whole.
+        assert r["chunks"] == 4 * 40 + 36 and r["files_left"] == []
+
+
 def test_gathers_ahead_stay_within_the_device_budget_and_the_prefetch_bucket(tmp_path):
     # A budget that holds fewer gathers ahead than the order offers: the one
     # being fetched counts beside them.

@@ -11,6 +11,8 @@ they split the aio queue depth. Every fetched parameter is compared byte for byt
 with a plain gather of the same bytes: each rank's shard read from its
 block and all-gathered by torch.distributed.
 
+MODE ``chunks``: the shards larger than a page are read or copied into
+their slot and gathered a page at a time (``tierflow.gather_chunk``).
 MODE ``kill``: rank 1 exits in the middle of an iteration, its gathers
 issued ahead and unanswered; the others must fail with a clear error within
 the communicator's timeout. Writes OUT.rank<r> (JSON).
@@ -57,6 +59,8 @@ def config(nvme: str, mode: str) -> dict:
     }
     if mode == "kill":  # one gather ahead, left unanswered when rank 1 dies (a bucket of 1 element)
         c["zero_optimization"]["stage3_prefetch_bucket_size"] = 1
+    if mode == "chunks":  # each shard larger than a page gathered a page at a time
+        c["tierflow"]["gather_chunk"] = 4096
     if mode == "no_prefetch":  # DeepSpeed's prefetch off: nothing gathered ahead
         c["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
     return c
@@ -133,7 +137,8 @@ def main() -> None:
     result.update(ahead=store.gathered_ahead, dropped=store.gathers_dropped, direct=store.shards_read_into_slots, departures=store._order.departures,
                   counts=store.group.counts, read=links_of(store.telemetry()).get("nvme->host", 0),
                   sharing=store.nvme_sharing, queue_depth=store.store.io_config()["queue_depth"],
-                  high_water=store.gathered_high_water, gather_budget=store.gather_budget)
+                  high_water=store.gathered_high_water, gather_budget=store.gather_budget,
+                  chunks=store.gather_chunks)
     nvme_dir = store.nvme_dir
     store.close()  # after a failure too: no hang, no error raised twice, the files removed
     result["files_left"] = sorted(os.listdir(nvme_dir)) if os.path.isdir(nvme_dir) else []

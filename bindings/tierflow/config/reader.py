@@ -694,6 +694,16 @@ def _read_data_types(run: _Run, top: _Section) -> None:
     s.finish()
 
 
+def _chunk(path: str, raw: Any) -> int:
+    """``tierflow.gather_chunk``: 0 (whole parameters), or a size in whole 4 KiB pages."""
+    if raw == 0:
+        return 0
+    size = _size(path, raw)
+    if size % 4096:
+        raise ValueError(f"{path}: {size} bytes is not a whole number of 4 KiB pages (or 0: whole parameters)")
+    return size
+
+
 def _read_tierflow(run: _Run, top: _Section) -> TierflowOptions:
     s = top.section("tierflow", auto_is_default=False)
     if s is None:
@@ -709,6 +719,7 @@ def _read_tierflow(run: _Run, top: _Section) -> TierflowOptions:
         strict_config=s.get("strict_config", _flag, True),
         collectives=s.get("collectives", _choice("tierflow", "torch"), "tierflow"),
         collectives_timeout=s.get("collectives_timeout", _real(0.0, low_open=True), 600.0),
+        gather_chunk=s.get("gather_chunk", _chunk, 16 << 20),
     )
     # tierflow's own section has no foreign keys to carry over: a typo is an
     # error, whatever strict_config says.
@@ -725,7 +736,8 @@ def _report_tierflow_stage(run: _Run, top: _Section, options: TierflowOptions, z
     """Names the tierflow section's keys that nothing reads at this stage."""
     given = top.data.get("tierflow") or {}
     if zero.stage != 3:
-        for name in ("device_memory", "host_memory", "trace", "overlap_step", "collectives", "collectives_timeout"):
+        for name in ("device_memory", "host_memory", "trace", "overlap_step", "collectives", "collectives_timeout",
+                     "gather_chunk"):
             if name in given:
                 run.not_used.append(UnusedKey(f"tierflow.{name}", f"not used at stage {zero.stage}: the store, its "
                                                                    "budgets, its trace, the overlapped step and "

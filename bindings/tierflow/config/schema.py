@@ -257,7 +257,10 @@ class TierflowOptions:
     reduce-scatters: ``"tierflow"`` (default) tierflow's communicators where
     it has one for the memory (Gloo for host memory) and torch.distributed's
     elsewhere, ``"torch"`` torch.distributed's; ``collectives_timeout`` (seconds, default 600) is how
-    long one of tierflow's may take before it fails the step."""
+    long one of tierflow's may take before it fails the step; ``gather_chunk`` (bytes of a rank's
+    shard, whole 4 KiB pages, default 16 MiB; 0: whole parameters) is the piece of a parameter
+    gathered at once on tierflow's communicators, so its first pieces are gathered while the rest
+    is still read or copied up."""
 
     device_memory: int | None = None
     host_memory: int | None = None
@@ -268,6 +271,7 @@ class TierflowOptions:
     strict_config: bool = True
     collectives: str = "tierflow"
     collectives_timeout: float = 600.0
+    gather_chunk: int = 16 << 20
 
 
 @dataclass(frozen=True)

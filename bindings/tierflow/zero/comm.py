@@ -43,7 +43,7 @@ import torch
 
 from tierflow import _gloo, _nccl_group
 
-__all__ = ["Group", "Pending", "current_group", "COLLECTIVES"]
+__all__ = ["Chunks", "Group", "Pending", "current_group", "COLLECTIVES"]
 
 #: ``tierflow.collectives``'s values.
 COLLECTIVES = ("tierflow", "torch")
@@ -92,6 +92,29 @@ class Pending:
         return self._out
 
     synchronize = wait
+
+
+class Chunks:
+    """The collectives of one tensor's chunks, issued in order, as one
+    :class:`Pending`'s work: :meth:`wait` waits for every one (the first
+    error raised after all are waited for: each holds its buffers until then)."""
+
+    def __init__(self, pending: list[Pending]) -> None:
+        self._pending = pending
+
+    @property
+    def done(self) -> bool:
+        return all(p.done for p in self._pending)
+
+    def wait(self) -> None:
+        error = None
+        for p in self._pending:
+            try:
+                p.wait()
+            except BaseException as e:  # noqa: BLE001 - every one waited for, the first error raised
+                error = error or e
+        if error is not None:
+            raise error
 
 
 class Group:
@@ -255,6 +278,29 @@ class Group:
             return Pending(work, full, finally_=finally_)
         self._run(lambda o, s: self._dist.all_gather_into_tensor(o, s, group=self.process_group), full, mine)
         return Pending(None, full, finally_=finally_)
+
+    def gathers_chunks(self, full: torch.Tensor) -> bool:
+        """Whether :meth:`gather_chunk` runs on tierflow's communicator for
+        ``full``'s memory (torch.distributed has no all-gather into strided
+        places: a parameter is gathered whole there)."""
+        if not self.active or self.collectives == "torch":
+            return False
+        return _gloo.moves(full) or (self._device_collectives and _nccl_group.moves(full))
+
+    def gather_chunk(self, full: torch.Tensor, begin: int, count: int, *, after: Any = None) -> Pending:
+        """Starts gathering elements ``begin`` to ``begin + count`` of every
+        rank's shard, from its slot of its ``full``, into their places in
+        ``full`` (1-D, ``world_size`` equal shards): a chunk of the parameter,
+        the rest of ``full`` left alone, so its first chunks are gathered while
+        the later ones are still being read. Only where :meth:`gathers_chunks`;
+        ``after`` as :meth:`gather_in_place`'s."""
+        shard = full.numel() // self.world_size
+        comm = self._ours(full)
+        if comm is None:
+            raise RuntimeError(f"gather_chunk: no tierflow communicator moves {full.dtype} on {full.device}")
+        mine = full[self.rank * shard + begin:][:count]
+        work = comm.all_gather_strided(mine, full[begin:], shard, after=after)
+        return Pending(work, full)
 
     def reduce_scatter_mean(self, flat: torch.Tensor, shard: int) -> Pending:
         """Starts reducing this rank's ``shard`` elements of the mean over the

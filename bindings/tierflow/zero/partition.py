@@ -24,7 +24,9 @@ shard of every parameter and gradient. A parameter is gathered in one
 pipeline: its shard is leased in host memory (read from NVMe ahead of use by
 the scheduler, as any block), copied straight into this rank's slot of the
 gather buffer on the device (on a copy stream of its own on a GPU), the lease
-ended, and the buffer all-gathered in place, asynchronously. During an
+ended, and the buffer all-gathered in place, asynchronously; a shard larger
+than ``tierflow.gather_chunk`` (:attr:`Plan.gather_chunk_bytes`) a chunk at a
+time, each chunk's gather behind its own read or copy. During an
 iteration the store gathers ahead: as one parameter is fetched, the gathers
 of those the last iteration fetched after it (ahead.py) are issued too, in
 that order, while the parameters on their way hold less than DeepSpeed's
@@ -62,7 +64,7 @@ from tierflow import _core, _lifetime
 from tierflow.errors import TierflowError
 from tierflow.zero.ahead import FetchOrder
 from tierflow.zero.buffers import GatherBuffers
-from tierflow.zero.comm import Group, Pending
+from tierflow.zero.comm import Chunks, Group, Pending
 from tierflow.zero.copies import copy_into, norm_sq
 from tierflow.zero.plan import PAGE, Plan, format_bytes, pages
 from tierflow.zero.sharing import ranks_sharing, share_of
@@ -317,6 +319,7 @@ class ParamStore:
         self.gathered_ahead = 0   # gathers issued ahead of their fetch
         self.gathers_dropped = 0  # of those, dropped unused (an order departed from, room needed)
         self.shards_read_into_slots = 0  # shards read from NVMe straight into their gather slot
+        self.gather_chunks = 0  # gathers of a chunk of a parameter (tierflow.gather_chunk)
         self.in_iteration = False
         self.closed = False
         _lifetime.track(self)
@@ -497,31 +500,70 @@ class ParamStore:
         return (self._buffers is not None and part.shard_bytes % PAGE == 0 and self.plan.param_home == "nvme"
                 and self.store.state(part.block, "nvme") == "valid")
 
+    def _chunks(self, part: Partition, full: torch.Tensor) -> list[tuple[int, int]] | None:
+        """The pieces of ``part``'s shard gathered one after another, as
+        (first element, elements), each ``plan.gather_chunk_bytes`` but the
+        last; None: the shard is gathered whole (no larger than one piece, or
+        no tierflow communicator for ``full``'s memory)."""
+        per = self.plan.gather_chunk_bytes // full.element_size()
+        if per <= 0 or part.shard_numel <= per or not self.group.gathers_chunks(full):
+            return None
+        return [(begin, min(per, part.shard_numel - begin)) for begin in range(0, part.shard_numel, per)]
+
+    def _gathers(self, full: torch.Tensor, chunks: list[tuple[int, int]], reads: list[Any] | None = None,
+                 finally_: Any = None) -> Pending:
+        """The gathers of ``full``'s chunks, each after its read (``reads``,
+        one a chunk; None: the slot is filled already), as one Pending."""
+        pending = []
+        try:
+            for i, (begin, count) in enumerate(chunks):
+                pending.append(self.group.gather_chunk(full, begin, count, after=reads[i] if reads else None))
+        except BaseException:
+            if finally_ is not None:
+                finally_()
+            raise
+        self.gather_chunks += len(pending)
+        return Pending(Chunks(pending), full, finally_=finally_)
+
     def _read_into_slot(self, part: Partition, full: torch.Tensor, ahead: bool) -> Pending:
         """The shard read from its home file into the slot, the gather issued
         behind the read (the communicator waits for it), the home lease ended
-        once the gather has been waited for."""
+        once the gather has been waited for. A shard larger than a chunk is
+        read and gathered chunk by chunk, each gather behind its own read."""
         lease = self.store.acquire(part.block, "nvme", "read")
+        chunks = self._chunks(part, full)
+        reads: list[Any] = []
         try:
             lease.wait()  # at once, unless a newer copy is still being written home
-            read = lease.copy_into(self.group.slot(full).view(torch.uint8), "prefetch" if ahead else "demand")
+            slot = self.group.slot(full).view(torch.uint8)
+            traffic = "prefetch" if ahead else "demand"
+            if chunks is None:
+                reads.append(lease.copy_into(slot, traffic))
+            else:
+                element = full.element_size()
+                for begin, count in chunks:
+                    piece = slot[begin * element:(begin + count) * element]
+                    reads.append(lease.copy_into(piece, traffic, offset=begin * element))
         except BaseException:
-            lease.release()
+            lease.release()  # (waits for the reads already started)
             raise
         self.shards_read_into_slots += 1
 
         def end() -> None:
-            # The read's Work is held until here: dropped unfinished, it would
-            # wait for the read on this thread.
-            nonlocal read
-            read = None
+            # The reads' Works are held until here: dropped unfinished, they
+            # would wait for the reads on this thread.
+            reads.clear()
             lease.release()
-        return self.group.gather_in_place(full, after=read, finally_=end)
+        if chunks is None:
+            return self.group.gather_in_place(full, after=reads[0], finally_=end)
+        return self._gathers(full, chunks, reads, finally_=end)
 
     def _copy_into_slot(self, part: Partition, full: torch.Tensor) -> Pending:
         """The shard leased in host memory (the prefetch scheduler reads it
         ahead), copied into the slot, the lease ended (on a GPU once the copy
-        is done), and the buffer all-gathered in place."""
+        is done), and the buffer all-gathered in place. A shard larger than a
+        chunk is copied and gathered chunk by chunk: each chunk's gather
+        runs while the next is copied."""
         cuda = self.device.type == "cuda"
         if cuda and self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -529,16 +571,24 @@ class ParamStore:
         lease = self._lease(part.block, "host", "read")
         try:
             with stream:
-                slot = self.group.slot(full)
-                slot.copy_(self._local(lease, part), non_blocking=cuda)
+                slot, local = self.group.slot(full), self._local(lease, part)
+                chunks = self._chunks(part, full)
+                pending = []
+                # The collectives start after their copy: on a GPU, on the
+                # copy stream (torch.distributed's orders itself after it).
+                for begin, count in chunks or [(0, part.shard_numel)]:
+                    slot[begin:begin + count].copy_(local[begin:begin + count], non_blocking=cuda)
+                    if chunks is not None:
+                        pending.append(self.group.gather_chunk(full, begin, count))
                 if cuda:
                     copied = torch.cuda.Event()
                     copied.record(self._copy_stream)
                     self._retiring.append((copied, lease))  # ended once the copy is done (_reap)
                     lease = None
-                # The collective starts after the copy: on a GPU, on the copy
-                # stream (torch.distributed's orders itself after it).
-                return self.group.gather_in_place(full)
+                if chunks is None:
+                    return self.group.gather_in_place(full)
+                self.gather_chunks += len(pending)
+                return Pending(Chunks(pending), full)
         finally:
             if lease is not None:
                 self._unlease(lease, dirty=False)

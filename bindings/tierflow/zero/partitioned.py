@@ -255,7 +255,8 @@ class PartitionedRuntime:
                                   "torch": self.group.counts["torch"],
                                   "gathered_ahead": self.params.gathered_ahead,
                                   "ahead_dropped": self.params.gathers_dropped,
-                                  "shards_read_into_slots": self.params.shards_read_into_slots}
+                                  "shards_read_into_slots": self.params.shards_read_into_slots,
+                                  "gather_chunks": self.params.gather_chunks}
         out["scheduler"] = self.params.scheduler.stats
         optimizer = self.state.memory_stats()
         if optimizer is not None:

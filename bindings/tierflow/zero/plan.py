@@ -130,6 +130,9 @@ class Plan:
     # Several ranks: the bytes of parameters whose gathers are issued ahead
     # of their fetch, at most (the same window, of the gathered parameters).
     gather_ahead_bytes: int = 100_000_000
+    # Several ranks: the bytes of a rank's shard gathered at once on
+    # tierflow's communicators (tierflow.gather_chunk; 0: whole parameters).
+    gather_chunk_bytes: int = 16 << 20
     # The share of the host tier's room (beside the blocks homed there: the
     # gradients, with DeepSpeed's keys) that stages parameters homed on NVMe
     # ahead of use — offload_param's buffers, used for what they are for,
@@ -445,7 +448,8 @@ def make_plan(model: torch.nn.Module | None, config: Config, *, sizes: dict[str,
                 minimum_device=minimum_device, minimum_device_reason=device_reason,
                 minimum_host=minimum_host, minimum_host_reason=host_reason, sources=sources,
                 prefetch_share=prefetch_share, evict_distance=evict_distance,
-                gather_ahead_bytes=prefetch_window(z, element), world_size=world_size,
+                gather_ahead_bytes=prefetch_window(z, element), gather_chunk_bytes=t.gather_chunk,
+                world_size=world_size,
                 zenflow_bytes=zenflow_bytes, zenflow_nvme_bytes=zenflow_nvme,
                 aio=config.aio.engine_options() if config.aio is not None else None)
 
