@@ -3,17 +3,23 @@
 ranks, beside each of its two stages measured alone in the same run.
 
     torchrun --nproc-per-node 2 bench/python/zero_gather.py --nvme-dir DIR [--params 16]
-        [--numel 4194304] [--host-memory BYTES] [--iterations 5] [--queue-depth 8] [--json FILE]
+        [--numel 4194304] [--host-memory BYTES] [--iterations 10] [--queue-depth 8]
+        [--gather-chunk 16777216] [--json FILE]
 
 Each rank stores ``--params`` bf16 parameters of ``--numel`` elements, its
 shard of each homed on NVMe, through ``--host-memory`` bytes of host memory
 (default: a quarter of a rank's shards), so that every iteration reads every
 shard from NVMe again. The NVMe engine's ``--queue-depth`` (DeepSpeed's aio
-default, 8) is the device's: the ranks sharing it split it. Four stages, each with a store of its own, take
-turns: a round times one iteration of each on every rank, and each stage's
-figure is the median, over ``--iterations`` rounds after one that records
-the order, of the slowest rank's. So a disk whose speed drifts over the run (a virtual
-disk's bursts) drifts for all four alike:
+default, 8) is the device's: the ranks sharing it split it. The stages, each
+with a store of its own (the read alone's and the all-gather alone's shared),
+take turns: a round times one iteration of each on every rank, each round
+starting one stage later than the last (so every stage follows each of the
+others equally often: use a multiple of five ``--iterations``), and each
+stage's figure is the median, over the rounds after one that records the
+order, of the slowest rank's. So a disk whose speed drifts over the run (a
+virtual disk's bursts) drifts for all of them alike. A store's iteration ends
+once it has no transfer in flight (the reads its end starts for the next
+iteration included), so no stage's work runs in another's time:
 
 * **NVMe read alone**: each shard leased into host memory and released, in
   order, through the store's prefetch scheduler (what the pipeline reads, as
@@ -23,9 +29,12 @@ disk's bursts) drifts for all four alike:
   tierflow's Gloo communicator (as fast as it gathers);
 * **the pipeline**: each parameter fetched and released as a forward does —
   its shard read from NVMe straight into its slot of the gather buffer,
-  gathered in place once the read is done, the next ones ahead; with
-  tierflow's communicator, and with torch.distributed's gloo group running
-  the same pipeline's collectives.
+  gathered in place once the read is done, the next ones ahead; a shard
+  larger than ``--gather-chunk`` (``tierflow.gather_chunk``, default 16 MiB)
+  read and gathered a chunk at a time. With tierflow's communicator; the
+  same with parameters gathered whole (``gather_chunk`` 0); and with
+  torch.distributed's gloo group running the pipeline's collectives (whole:
+  it has no gather into strided places).
 
 Bandwidths are the gathered parameters' bytes per second. Rank 0 prints
 them and the pipeline's over the lesser of the two stages alone (the target
@@ -92,6 +101,7 @@ def read_alone(store, parts):
         for part in parts:
             store._unlease(store._lease(part.block, "host", "read"), dirty=False)
         store.end_iteration()
+        store.flush()  # its prefetches for the next iteration: in its own time, not the next stage's
     return one
 
 
@@ -118,6 +128,7 @@ def pipeline(store, parts):
             store.fetch(part)
             store.release(part)
         store.end_iteration()
+        store.flush()
     return one
 
 
@@ -135,12 +146,17 @@ def each_rank_seconds(work) -> list[float]:
 def rounds(args, stages: dict) -> dict[str, list[list[float]]]:
     """Each stage's iteration timed on every rank in turn, round after round:
     a disk or machine that speeds up or slows down over the run does so for
-    every stage alike. The first round, which records the order, is not
-    kept. Per stage, a list of rounds, each the ranks' seconds."""
+    every stage alike. Each round starts one stage later than the last, so
+    every stage follows each of the others equally often (here the stage
+    after a burst of CPU runs slower, whichever it is). The first round,
+    which records the order, is not kept. Per stage, a list of rounds, each
+    the ranks' seconds."""
     times: dict[str, list[list[float]]] = {name: [] for name in stages}
+    names = list(stages)
     for round_ in range(1 + args.iterations):
-        for name, one in stages.items():
-            seconds = each_rank_seconds(one)
+        turn = round_ % len(names)
+        for name in names[turn:] + names[:turn]:
+            seconds = each_rank_seconds(stages[name])
             if round_:
                 times[name].append(seconds)
     return times
@@ -152,7 +168,7 @@ def main(argv=None) -> int:
     p.add_argument("--params", type=int, default=16)
     p.add_argument("--numel", type=int, default=4 << 20)
     p.add_argument("--host-memory", type=int)
-    p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--queue-depth", type=int, default=8)
     p.add_argument("--gather-chunk", type=int, default=16 << 20)
     p.add_argument("--json")
