@@ -577,6 +577,22 @@ def test_two_ranks_on_tierflows_collectives_train_as_on_torch_distributeds(tmp_p
         c = t["collectives"]
         assert c["by"] == "torch" and c["tierflow"] == 0 and c["torch"] > 0, c
         assert c["gathered_ahead"] == o["collectives"]["gathered_ahead"], (c, o["collectives"])
+        assert o["collectives"]["gather_chunks"] == t["collectives"]["gather_chunks"] == 0  # none larger
+
+
+def test_two_ranks_gathering_a_page_at_a_time_train_as_with_whole_parameters(tmp_path):
+    """The same 2-rank run with every shard larger than a page copied and
+    gathered a page at a time (tierflow.gather_chunk 4096): the same losses
+    and parameters, bit for bit, as gathering each parameter whole."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import zero_dp_worker as worker
+
+    chunked = _two_ranks(worker, tmp_path, "chunked", ZERO_DP_GATHER_CHUNK="4096")
+    whole = _two_ranks(worker, tmp_path, "whole", ZERO_DP_GATHER_CHUNK="0")
+    for c, w in zip(chunked, whole):
+        assert c["losses"] == w["losses"] and c["built_in_store"] == w["built_in_store"]
+        assert c["state"] == w["state"]
+        assert c["collectives"]["gather_chunks"] > 0 and w["collectives"]["gather_chunks"] == 0
 
 
 def stage2_config(nvme=None, zenflow=None):

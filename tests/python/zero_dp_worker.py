@@ -85,7 +85,9 @@ def config(nvme: str, device_memory: int) -> dict:
         },
         "tierflow": {"device_memory": device_memory, "host_memory": 4 << 20,
                      # who gathers and reduce-scatters: tierflow's communicators or torch.distributed
-                     "collectives": os.environ.get("ZERO_DP_COLLECTIVES", "tierflow")},
+                     "collectives": os.environ.get("ZERO_DP_COLLECTIVES", "tierflow"),
+                     # bytes of a rank's shard gathered at once (0: whole parameters)
+                     "gather_chunk": int(os.environ.get("ZERO_DP_GATHER_CHUNK", 16 << 20))},
     }
 
 
