@@ -214,12 +214,12 @@ class gloo_communicator final : public communicator {
       const auto slot = gloo::Slot::build(gloo::kAllgatherSlotPrefix, tag);
       const int right = (rank_ + 1) % size_, left = (rank_ + size_ - 1) % size_;
       const auto deadline = std::chrono::steady_clock::now() + options_.timeout;  // for the whole collective
+      const auto remaining = [&] {  // (at least 1 ms: Gloo reads -1 ms as "its own default")
+        return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                          deadline - std::chrono::steady_clock::now()));
+      };
       const auto settle = [&] {
-        const auto left_ms = [&] {
-          return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                            deadline - std::chrono::steady_clock::now()));
-        };
-        if (!pieces->waitSend(left_ms()) || !pieces->waitRecv(left_ms())) throw std::runtime_error("aborted");
+        if (!pieces->waitSend(remaining()) || !pieces->waitRecv(remaining())) throw std::runtime_error("aborted");
       };
       for (int round = 0; round < size_ - 1; ++round) {
         if (round > 0) settle();  // the piece to pass on has arrived, the last one has left

@@ -560,8 +560,9 @@ def test_two_ranks_on_tierflows_collectives_train_as_on_torch_distributeds(tmp_p
     and reduce-scatter on tierflow's Gloo communicator — the parameters
     gathered ahead of their use, in place — and on torch.distributed's gloo
     group: the same losses and parameters, bit for bit (a sum of two fp32
-    values does not depend on who adds them). Counted: which collectives ran
-    where, and the gathers issued ahead."""
+    values does not depend on who adds them), and the same with parameters
+    gathered a page at a time. Counted: which collectives ran where, the
+    gathers issued ahead and the chunks gathered."""
     sys.path.insert(0, os.path.dirname(__file__))
     import zero_dp_worker as worker
 
@@ -578,21 +579,13 @@ def test_two_ranks_on_tierflows_collectives_train_as_on_torch_distributeds(tmp_p
         assert c["by"] == "torch" and c["tierflow"] == 0 and c["torch"] > 0, c
         assert c["gathered_ahead"] == o["collectives"]["gathered_ahead"], (c, o["collectives"])
         assert o["collectives"]["gather_chunks"] == t["collectives"]["gather_chunks"] == 0  # none larger
-
-
-def test_two_ranks_gathering_a_page_at_a_time_train_as_with_whole_parameters(tmp_path):
-    """The same 2-rank run with every shard larger than a page copied and
-    gathered a page at a time (tierflow.gather_chunk 4096): the same losses
-    and parameters, bit for bit, as gathering each parameter whole."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    import zero_dp_worker as worker
-
-    chunked = _two_ranks(worker, tmp_path, "chunked", ZERO_DP_GATHER_CHUNK="4096")
-    whole = _two_ranks(worker, tmp_path, "whole", ZERO_DP_GATHER_CHUNK="0")
-    for c, w in zip(chunked, whole):
-        assert c["losses"] == w["losses"] and c["built_in_store"] == w["built_in_store"]
-        assert c["state"] == w["state"]
-        assert c["collectives"]["gather_chunks"] > 0 and w["collectives"]["gather_chunks"] == 0
+    # Every shard larger than a page copied and gathered a page at a time
+    # (tierflow.gather_chunk 4096): the same run as torch.distributed's whole gathers.
+    chunked = _two_ranks(worker, tmp_path, "chunked", ZERO_DP_COLLECTIVES="tierflow", ZERO_DP_GATHER_CHUNK="4096")
+    for c, t in zip(chunked, theirs):
+        assert c["losses"] == t["losses"] and c["built_in_store"] == t["built_in_store"]
+        assert c["state"] == t["state"]
+        assert c["collectives"]["gather_chunks"] > 0
 
 
 def stage2_config(nvme=None, zenflow=None):

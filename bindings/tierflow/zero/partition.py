@@ -510,18 +510,8 @@ class ParamStore:
             return None
         return [(begin, min(per, part.shard_numel - begin)) for begin in range(0, part.shard_numel, per)]
 
-    def _gathers(self, full: torch.Tensor, chunks: list[tuple[int, int]], reads: list[Any] | None = None,
-                 finally_: Any = None) -> Pending:
-        """The gathers of ``full``'s chunks, each after its read (``reads``,
-        one a chunk; None: the slot is filled already), as one Pending."""
-        pending = []
-        try:
-            for i, (begin, count) in enumerate(chunks):
-                pending.append(self.group.gather_chunk(full, begin, count, after=reads[i] if reads else None))
-        except BaseException:
-            if finally_ is not None:
-                finally_()
-            raise
+    def _chunk_gathers(self, full: torch.Tensor, pending: list[Pending], finally_: Any = None) -> Pending:
+        """The gathers of ``full``'s chunks, issued in order, as one Pending (counted)."""
         self.gather_chunks += len(pending)
         return Pending(Chunks(pending), full, finally_=finally_)
 
@@ -556,7 +546,13 @@ class ParamStore:
             lease.release()
         if chunks is None:
             return self.group.gather_in_place(full, after=reads[0], finally_=end)
-        return self._gathers(full, chunks, reads, finally_=end)
+        try:
+            pending = [self.group.gather_chunk(full, begin, count, after=read)
+                       for (begin, count), read in zip(chunks, reads)]
+        except BaseException:
+            end()
+            raise
+        return self._chunk_gathers(full, pending, finally_=end)
 
     def _copy_into_slot(self, part: Partition, full: torch.Tensor) -> Pending:
         """The shard leased in host memory (the prefetch scheduler reads it
@@ -587,8 +583,7 @@ class ParamStore:
                     lease = None
                 if chunks is None:
                     return self.group.gather_in_place(full)
-                self.gather_chunks += len(pending)
-                return Pending(Chunks(pending), full)
+                return self._chunk_gathers(full, pending)
         finally:
             if lease is not None:
                 self._unlease(lease, dirty=False)
