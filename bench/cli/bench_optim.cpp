@@ -336,6 +336,8 @@ json bench_muon(const optim_options& opt, optim::executor& ex) {
           {"matrices", count},
           {"grad_dtype", name(grad_t)},
           {"gemm_dtype", name(o.gemm_dtype)},
+          // bf16 without oneDNN's bf16 GEMMs on this CPU: fp32 GEMMs rounded to bf16
+          {"gemm_native", o.gemm_dtype != dtype::bf16 || optim::bf16_gemms_native()},
           {"ns_steps", o.ns_steps},
           {"seconds_per_step", seconds},
           {"params_per_second", n / seconds},
@@ -357,7 +359,8 @@ void print_human(const json& j) {
               j["threads"].get<int>(), j["simd"].get<std::string>().c_str());
   if (j["optimizer"] == "muon") {
     row("shape", j["shape"].get<std::string>() + " x " + std::to_string(j["matrices"].get<std::size_t>()) +
-                     " matrices, gemm " + j["gemm_dtype"].get<std::string>());
+                     " matrices, gemm " + j["gemm_dtype"].get<std::string>() +
+                     (j.value("gemm_native", true) ? "" : " (as fp32 GEMMs rounded to bf16: no bf16 GEMMs on this CPU)"));
   } else {
     if (j["tensors"].get<std::size_t>() > 1) row("tensors", std::to_string(j["tensors"].get<std::size_t>()) + ", stepped in turn");
     row("dtypes", "param " + j["param_dtype"].get<std::string>() + ", grad " + j["grad_dtype"].get<std::string>() +

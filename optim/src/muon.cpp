@@ -46,6 +46,20 @@ inline std::uint16_t float_to_bf16(float f) {
   return static_cast<std::uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// v rounded to the nearest bf16 value (as a float).
+inline float round_to_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
+
+// Rounds the n floats at p to bf16 values, in parallel.
+void round_all_to_bf16(float* p, std::size_t n) {
+  const auto total = static_cast<std::int64_t>(n);
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < total; ++i) p[i] = round_to_bf16(p[i]);
+}
+
+// The dtype the Newton–Schulz buffers and GEMMs use for `gemm`: bf16 only
+// where oneDNN runs bf16 GEMMs here; fp32 (rounded to bf16) otherwise.
+dtype storage_of(dtype gemm) { return gemm == dtype::bf16 && bf16_gemms_native() ? dtype::bf16 : dtype::fp32; }
+
 // One block row of a symmetric product P = S Sᵀ (m × m): rows [row0,
 // row0 + rows) and only the columns [row0, m) — the upper triangle and its
 // diagonal block. The lower triangle is mirrored afterwards.
@@ -95,6 +109,20 @@ void mirror_upper(T* a, std::size_t m) {
 }
 
 }  // namespace
+
+bool bf16_gemms_native() {
+  static const bool native = [] {
+    try {
+      const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+      const dnnl::memory::desc md({2, 2}, dt::bf16, tag::ab);
+      (void)dnnl::matmul::primitive_desc(dnnl::matmul::desc(md, md, md), engine);
+      return true;
+    } catch (const dnnl::error&) {  // dnnl_unimplemented: no bf16 kernel for this ISA
+      return false;
+    }
+  }();
+  return native;
+}
 
 struct muon_optimizer::workspace {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
@@ -161,10 +189,12 @@ struct muon_optimizer::workspace {
 
   // The GEMMs of one iteration on X in x_buffer(cur), into x_buffer(1 - cur).
   // With `combine_too` the element passes between them run as well (mirror,
-  // B = c A2 + b A + a I); without, the GEMMs alone (the bound NS is
-  // measured against).
+  // B = c A2 + b A + a I, and in bf16 mode on fp32 GEMMs the rounding of A,
+  // B and X' to bf16); without, the GEMMs alone (the bound NS is measured
+  // against).
   void iteration(const muon_options& o, const ns_plan& p, std::size_t m, std::size_t n, int cur, bool combine_too) {
-    const dtype gemm = o.gemm_dtype;
+    const dtype gemm = storage_of(o.gemm_dtype);
+    const bool rounds = combine_too && o.gemm_dtype == dtype::bf16 && gemm == dtype::fp32;
     const std::size_t elem = gemm == dtype::bf16 ? 2 : 4;
     auto* x = static_cast<std::byte*>(x_buffer(cur, gemm));
     auto* a = gemm == dtype::bf16 ? reinterpret_cast<std::byte*>(a16.data()) : reinterpret_cast<std::byte*>(a32.data());
@@ -178,6 +208,7 @@ struct muon_optimizer::workspace {
     if (combine_too) {
       if (gemm == dtype::bf16) mirror_upper(a16.data(), m);
       else mirror_upper(a32.data(), m);
+      if (rounds) round_all_to_bf16(a32.data(), m * m);  // A, stored as bf16 by the bf16 GEMM
     }
     for (const sym_block& b : p.blocks) {
       dnnl::memory src(b.square_src, engine, a + b.row0 * m * elem), wei(b.square_wei, engine, a + b.row0 * elem),
@@ -188,17 +219,19 @@ struct muon_optimizer::workspace {
     if (combine_too) {
       mirror_upper(a2.data(), m);
       combine(o, m);
+      if (rounds) round_all_to_bf16(a2.data(), m * m);  // B, the update GEMM's bf16 operand
     }
     void* b_buf = gemm == dtype::bf16 ? static_cast<void*>(b16.data()) : static_cast<void*>(a2.data());
     dnnl::memory b_mem(p.b_md, engine, b_buf), x_mem(p.x_md, engine, x),
         y_mem(p.y_md, engine, x_buffer(1 - cur, gemm));
     p.update.execute(stream, {{DNNL_ARG_SRC, b_mem}, {DNNL_ARG_WEIGHTS, x_mem}, {DNNL_ARG_DST, y_mem}});
     stream.wait();
+    if (rounds) round_all_to_bf16(x32[1 - cur].data(), m * n);  // X', stored as bf16
   }
 
   // ns_steps iterations on X in x_buffer(0); returns which buffer holds the result.
   int iterate(const muon_options& o, std::size_t m, std::size_t n) {
-    const ns_plan& p = plan(m, n, o.gemm_dtype);
+    const ns_plan& p = plan(m, n, storage_of(o.gemm_dtype));
     int cur = 0;
     for (int s = 0; s < o.ns_steps; ++s) {
       iteration(o, p, m, n, cur, /*combine_too=*/true);
@@ -212,7 +245,7 @@ struct muon_optimizer::workspace {
   void combine(const muon_options& o, std::size_t m) {
     const float a = o.ns_a, b = o.ns_b, c = o.ns_c;
     const auto rows = static_cast<std::int64_t>(m);
-    if (o.gemm_dtype == dtype::bf16) {
+    if (storage_of(o.gemm_dtype) == dtype::bf16) {
 #pragma omp parallel for schedule(static)
       for (std::int64_t i = 0; i < rows; ++i) {
         const std::size_t r = static_cast<std::size_t>(i) * m;
@@ -326,7 +359,8 @@ void muon_optimizer::orthogonalize_into(executor& ex, const float* in, std::size
   workspace& ws = *ws_;
   const muon_options& o = options_;
   const omp_team team(ex);
-  const dtype gemm = o.gemm_dtype;
+  const dtype gemm = storage_of(o.gemm_dtype);
+  const bool rounds = o.gemm_dtype == dtype::bf16 && gemm == dtype::fp32;
   ws.reserve(rows, cols, gemm);
   const bool tall = rows > cols;
   const std::size_t m = tall ? cols : rows, n = tall ? rows : cols;
@@ -371,7 +405,7 @@ void muon_optimizer::orthogonalize_into(executor& ex, const float* in, std::size
     const int cur = ws.iterate(o, m, n);
     store(ws.x16[cur].data(), [](std::uint16_t v) { return bf16_to_float(v); });
   } else {
-    load(ws.x32[0].data(), [](float v) { return v; });
+    load(ws.x32[0].data(), [rounds](float v) { return rounds ? round_to_bf16(v) : v; });
     const int cur = ws.iterate(o, m, n);
     store(ws.x32[cur].data(), [](float v) { return v; });
   }
@@ -388,9 +422,10 @@ void muon_optimizer::orthogonalize(executor& ex, std::span<const float> in, std:
 void muon_optimizer::run_gemms_only(executor& ex, std::size_t rows, std::size_t cols) {
   require_shape(rows, cols);
   const omp_team team(ex);
-  ws_->reserve(rows, cols, options_.gemm_dtype);
+  const dtype gemm = storage_of(options_.gemm_dtype);
+  ws_->reserve(rows, cols, gemm);
   const std::size_t m = std::min(rows, cols), n = std::max(rows, cols);
-  const ns_plan& p = ws_->plan(m, n, options_.gemm_dtype);
+  const ns_plan& p = ws_->plan(m, n, gemm);
   for (int s = 0; s < options_.ns_steps; ++s) ws_->iteration(options_, p, m, n, s & 1, /*combine_too=*/false);
 }
 
@@ -411,7 +446,7 @@ void muon_optimizer::step(executor& ex, const muon_matrix& mat, float grad_scale
 
   const omp_team team(ex);
   workspace& ws = *ws_;
-  ws.reserve(mat.rows, mat.cols, o.gemm_dtype);
+  ws.reserve(mat.rows, mat.cols, storage_of(o.gemm_dtype));
   float* u = ws.u.data();
   float* buf = mat.momentum_buffer.data();
   const float mu = o.momentum;

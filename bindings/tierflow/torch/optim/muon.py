@@ -263,7 +263,9 @@ class Muon(_MuonNvmeState, Optimizer):
     * ``ns_dtype``: the precision of the Newton–Schulz GEMMs.
       ``torch.bfloat16`` (default) rounds their operands to bf16 as
       torch.optim.Muon does; ``torch.float32`` keeps them in fp32 (closer to
-      the exact iteration, slower where the CPU has bf16 matrix units).
+      the exact iteration, slower where the CPU has bf16 matrix units). On a
+      CPU without bf16 GEMMs (before AVX-512) bf16 runs fp32 GEMMs on the
+      same bf16 operands and rounds their results to bf16, as fast as fp32.
     * ``threads``: the CPU threads of the step; default
       ``torch.get_num_threads()``. The step runs between torch's operations,
       on the OpenMP runtime torch's intra-op threads use, and gives torch its

@@ -13,7 +13,11 @@
 // ns_steps times  A = X Xᵀ;  B = b A + c A A;  X = a X + B X  with (a, b, c) =
 // (3.4445, -4.7750, 2.0315), and transposes back. The three GEMMs run on
 // oneDNN in bf16 (as torch.optim.Muon, which rounds every operand to bf16;
-// AVX512-BF16/AMX where present) or fp32.
+// AVX512-BF16/AMX where present) or fp32. Where oneDNN has no bf16 GEMM for
+// the CPU (before AVX-512: Debian's oneDNN 2.6 needs avx512_core), bf16 mode
+// runs fp32 GEMMs on the same bf16 values and rounds each result to bf16
+// where the bf16 GEMMs store it: the products are exact in fp32 either way,
+// so only the order of the fp32 sums differs (bf16_gemms_native() tells).
 #pragma once
 
 #include <cstddef>
@@ -62,6 +66,10 @@ struct muon_matrix {
   std::size_t cols = 0;
   tensor_ref param_copy;
 };
+
+// Whether oneDNN runs bf16 GEMMs on this CPU (asked once); false: bf16 mode
+// rounds fp32 GEMMs' results instead (above).
+bool bf16_gemms_native();
 
 class muon_optimizer {
  public:
