@@ -43,6 +43,11 @@ class nccl_binding : public bound_communicator<const_device_buffer, device_buffe
   tc::nccl_communicator& nccl() { return static_cast<tc::nccl_communicator&>(comm()); }  // (raises once closed)
 
   std::uintptr_t stream() { return reinterpret_cast<std::uintptr_t>(nccl().stream()); }
+  // `waiter` waits on the GPU for `w`; the host goes on (see nccl.hpp).
+  void stream_wait(const nccl_work& w, std::uintptr_t waiter) {
+    if (!w.work) throw user_error("NcclCommunicator.stream_wait: the work was moved from");
+    nccl().stream_wait(w.work, reinterpret_cast<CUstream_st*>(waiter));
+  }
   int device() { return nccl().device(); }
   std::string policy() {
     switch (nccl().policy()) {
@@ -140,6 +145,15 @@ NB_MODULE(_nccl, m) {
       .def_prop_ro("fallbacks", &nccl_binding::fallbacks,
                    "{'zero_cta_unsupported', 'window_registration_failed'}: how often this communicator\n"
                    "fell back from the copy engines (the policy 'zero' asked of an NCCL without it).")
+      .def("stream_wait", &nccl_binding::stream_wait, "work"_a, "stream"_a,
+           "Makes the CUDA stream whose handle is `stream` (torch.cuda.Stream.cuda_stream) wait on\n"
+           "the GPU for `work`, one of this communicator's, without blocking the host: what is\n"
+           "enqueued on `stream` afterwards runs after the collective (as torch.distributed's NCCL\n"
+           "Work.wait()). Keep `work` until it is done: it holds the tensors. A collective that fails\n"
+           "later (NCCL's error, or the timeout, which a watchdog thread enforces whether anyone\n"
+           "waits or not) breaks the communicator and ends NCCL's kernels, so `stream` goes on\n"
+           "behind a collective that did not complete: call work.wait() before reading results on\n"
+           "the host. Raises TierflowError where `work` has already failed.")
       .def("all_gather",
            [](nccl_binding& c, const const_device_buffer& in, device_buffer& out,
               const std::vector<std::size_t>& counts) { return c.all_gather(in, out, counts); },

@@ -1,7 +1,8 @@
 // The NCCL backend (nccl.hpp): a non-blocking NCCL communicator whose
 // collectives are enqueued on one stream, each completed by an event, and
-// which every wait polls for NCCL's asynchronous error and the timeout —
-// the communicator is aborted (never left to hang) on either.
+// which every host wait and a watchdog thread poll for NCCL's asynchronous
+// error and the timeout — the communicator is aborted (never left to hang)
+// on either.
 
 #include "tierflow/collectives/nccl.hpp"
 
@@ -17,6 +18,7 @@
 #include <exception>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -25,6 +27,7 @@
 
 #include "tierflow/core/cuda_error.hpp"
 #include "tierflow/core/cuda_handles.hpp"
+#include "tierflow/collectives/watchdog.hpp"
 #include "tierflow/core/error.hpp"
 
 // Windows (ncclCommWindowRegister) and CTA policies came with NCCL 2.27; the
@@ -135,7 +138,9 @@ struct nccl_state {
   std::mutex mutex;
   ncclComm_t comm = nullptr;  // null once aborted
   std::exception_ptr broken;
-  std::vector<std::weak_ptr<nccl_work>> outstanding;  // issued, not yet seen done
+  // Issued, not yet seen finished: the watchdog's (held, so a work dropped
+  // unfinished is still watched; the list ends before the communicator).
+  std::vector<std::shared_ptr<nccl_work>> outstanding;
   std::vector<ncclWindow_t> windows;
 
   std::string who() const {
@@ -147,6 +152,17 @@ struct nccl_state {
   // outstanding work (done if its event already was, failed else) and
   // aborts NCCL. Needs `mutex`.
   std::exception_ptr break_locked(const std::string& what, const std::string& cause);
+
+  // What a collective past its deadline fails with.
+  std::string timed_out() const {
+    return "not done after the timeout of " + std::to_string(timeout.count()) +
+           " ms (a rank missing, dead or stuck); aborted";
+  }
+
+  // The watchdog's check: notes the outstanding works that have finished;
+  // breaks the communicator on NCCL's asynchronous error or once one is
+  // past its deadline. Whether any is still outstanding. Needs `mutex`.
+  bool watch_locked();
 
   // Reads NCCL's asynchronous error; breaks the communicator on one.
   void poll_locked(const std::string& what) {
@@ -184,15 +200,22 @@ class nccl_work final : public work {
           if (error_) std::rethrow_exception(error_);
           return;
         }
-        if (clock::now() >= deadline_)
-          state_->break_locked(what_, "not done after the timeout of " + std::to_string(state_->timeout.count()) +
-                                          " ms (a rank missing, dead or stuck); aborted");
+        if (clock::now() >= deadline_) state_->break_locked(what_, state_->timed_out());
       }
       pause.pause();
     }
   }
 
   bool finished_locked() const noexcept { return finished_; }
+  bool of(const nccl_state& state) const noexcept { return state_.get() == &state; }
+  const std::string& what() const noexcept { return what_; }
+  clock::time_point deadline() const noexcept { return deadline_; }
+  // The event recorded after the collective (none for one finished when issued).
+  cudaEvent_t event() const noexcept { return event_.get(); }
+  // Throws its error if it failed. Needs the mutex, and finished.
+  void rethrow_locked() const {
+    if (error_) std::rethrow_exception(error_);
+  }
 
   // Called by break_locked (under the mutex): done if the event already
   // was, before the abort that follows; failed with `failure` else.
@@ -207,7 +230,6 @@ class nccl_work final : public work {
     error_ = failure;
   }
 
- private:
   // Whether it has finished; asks the event and NCCL once. Needs the mutex.
   bool check_locked() const {
     if (finished_) return true;
@@ -242,8 +264,7 @@ std::exception_ptr nccl_state::break_locked(const std::string& what, const std::
   const std::string message =
       who() + ": " + what + " failed: " + cause + "; the communicator is broken, every later collective fails";
   broken = std::make_exception_ptr(error(ECONNABORTED, error_context{what}.in_tier("device"), message));
-  for (const auto& weak : outstanding)
-    if (const auto w = weak.lock()) w->settle_locked(broken);
+  for (const auto& w : outstanding) w->settle_locked(broken);
   outstanding.clear();
   if (comm != nullptr) {
     abort_on(device, std::exchange(comm, nullptr));  // (its windows go with it)
@@ -252,15 +273,47 @@ std::exception_ptr nccl_state::break_locked(const std::string& what, const std::
   return broken;
 }
 
+bool nccl_state::watch_locked() {
+  if (broken || comm == nullptr) return false;  // (broken: every work settled; null: finalized, all done)
+  std::optional<cuda_device_scope> on;  // (the events and NCCL's calls are the device's)
+  try {
+    on.emplace(device);
+  } catch (const std::exception& e) {  // the device is gone: so is every collective on it
+    break_locked(outstanding.empty() ? "watchdog" : outstanding.front()->what(), e.what());
+    return false;
+  }
+  // A copy: a check may break the communicator, which empties the list.
+  const std::vector<std::shared_ptr<nccl_work>> watched = outstanding;
+  for (const auto& w : watched) {
+    if (!w->check_locked() && clock::now() >= w->deadline()) break_locked(w->what(), timed_out());
+    if (broken) return false;
+  }
+  std::erase_if(outstanding, [](const std::shared_ptr<nccl_work>& w) { return w->finished_locked(); });
+  return !outstanding.empty();
+}
+
+// How often the watchdog checks the collectives under way: a tenth of the
+// timeout, between 1 and 100 ms (NCCL's error is seen within that).
+std::chrono::milliseconds watch_period(std::chrono::milliseconds timeout) {
+  return std::clamp(timeout / 10, std::chrono::milliseconds(1), std::chrono::milliseconds(100));
+}
+
 // ---- the communicator ---------------------------------------------------------------------------
 
 class nccl_communicator_impl final : public nccl_communicator {
  public:
   nccl_communicator_impl(const nccl_options& options, cta_policy policy, cuda_stream own, CUstream_st* stream,
                          std::shared_ptr<nccl_state> state)
-      : nccl_communicator(options.device, stream, policy), own_(std::move(own)), state_(std::move(state)) {}
+      : nccl_communicator(options.device, stream, policy),
+        own_(std::move(own)),
+        state_(std::move(state)),
+        watchdog_("tf-nccl-watch", watch_period(state_->timeout), [state = state_] {
+          std::lock_guard lock(state->mutex);
+          return state->watch_locked();
+        }) {}
 
   ~nccl_communicator_impl() override {
+    watchdog_.stop();  // (before NCCL's communicator ends: it polls it)
     std::lock_guard lock(state_->mutex);
     if (state_->comm == nullptr) return;  // aborted when it broke
     try {
@@ -273,7 +326,9 @@ class nccl_communicator_impl final : public nccl_communicator {
 
   // Ends NCCL's communicator — deregisters the windows, flushes what is
   // enqueued (ncclCommFinalize), then frees it, aborting instead where a
-  // peer keeps that from ending within the timeout. Needs the mutex.
+  // peer keeps that from ending within the timeout. Needs the mutex. The
+  // works still listed are left to their holders (done, or failed with the
+  // abort: done() asks the event).
   void close_locked() {
     const cuda_device_scope on(device());
     const auto deadline = clock::now() + state_->timeout;
@@ -290,12 +345,16 @@ class nccl_communicator_impl final : public nccl_communicator {
       clean = rc == ncclSuccess;
     }
     if (clean) {
+      state_->outstanding.clear();  // (finalized: every one done)
       if (const ncclResult_t rc = ncclCommDestroy(comm); rc != ncclSuccess)
         std::fprintf(stderr, "tierflow: warning: ncclCommDestroy: %s\n", ncclGetErrorString(rc));
     } else {
       std::fprintf(stderr, "tierflow: warning: %s: not finalized within %lld ms; aborted\n", state_->who().c_str(),
                    static_cast<long long>(state_->timeout.count()));
-      abort_comm(comm);
+      // The works not done fail (the abort ends their kernels, and their events with them).
+      state_->comm = comm;
+      state_->break_locked("close", "not finalized within the timeout of " +
+                                        std::to_string(state_->timeout.count()) + " ms; aborted");
     }
   }
 
@@ -395,6 +454,20 @@ class nccl_communicator_impl final : public nccl_communicator {
     });
   }
 
+  void stream_wait(const work_ptr& w, CUstream_st* waiter) override {
+    const auto* mine = dynamic_cast<const nccl_work*>(w.get());
+    if (mine == nullptr || !mine->of(*state_))
+      throw user_error("nccl: stream_wait: the work is not one of this communicator's");
+    std::lock_guard lock(state_->mutex);
+    if (mine->check_locked()) {  // done on the GPU: nothing to wait for
+      mine->rethrow_locked();
+      return;
+    }
+    const cuda_device_scope on(device());
+    TF_CUDA_CHECK(cudaStreamWaitEvent(waiter, mine->event(), 0),
+                  error_context{"cudaStreamWaitEvent"}.in_tier("device").of_block(mine->what()));
+  }
+
   bool register_window(void* buffer, std::size_t bytes) override {
     if (reinterpret_cast<std::uintptr_t>(buffer) % NCCL_WIN_REQUIRED_ALIGNMENT != 0)
       throw user_error("nccl: register_window: the buffer is not aligned to " +
@@ -467,11 +540,9 @@ class nccl_communicator_impl final : public nccl_communicator {
       return failed(what, "cudaEventRecord: " + cuda_text(rc));
     }
     auto w = std::make_shared<nccl_work>(state_, what, std::move(event), deadline);
-    std::erase_if(state_->outstanding, [](const std::weak_ptr<nccl_work>& o) {
-      const auto alive = o.lock();
-      return !alive || alive->finished_locked();
-    });
+    std::erase_if(state_->outstanding, [](const std::shared_ptr<nccl_work>& o) { return o->finished_locked(); });
     state_->outstanding.push_back(w);
+    watchdog_.arm();
     return w;
   }
 
@@ -481,6 +552,7 @@ class nccl_communicator_impl final : public nccl_communicator {
 
   cuda_stream own_;  // (declared first: destroyed after the communicator's state lets go of NCCL)
   std::shared_ptr<nccl_state> state_;
+  watchdog watchdog_;  // (stopped first, in the destructor)
 };
 
 constexpr const char* unique_id_key = "/nccl_unique_id";

@@ -5,7 +5,9 @@
 // never comes fails its init within the timeout (NCCL aborted, not hung).
 // With two GPUs, two processes run the uneven all-gather and reduce-scatter
 // (per-rank broadcasts and reduces in one group) and a rank that falls
-// silent: the other's collective fails within the timeout and breaks it.
+// silent: the other's collective fails within the timeout and breaks it,
+// also when only a stream waits for it (the watchdog ends it). One rank
+// makes a stream wait for a collective on the GPU, the host going on.
 //
 // Ranks that need a process of their own (NCCL within a process that
 // already used CUDA cannot be forked) are this binary run again with
@@ -281,6 +283,33 @@ TEST(Nccl, CollectivesRunOnAGivenStreamAndInIssueOrder) {
   cudaStreamDestroy(stream);
 }
 
+TEST(Nccl, AStreamWaitsForACollectiveOnTheGpu) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device here: NCCL runs on a GPU";
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  cudaStream_t waiter = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&waiter, cudaStreamNonBlocking), cudaSuccess);
+  {
+    const auto comm = one_rank();
+    const std::size_t n = 1 << 20;
+    device_buffer a(n * 4), b(n * 4), c(n * 4);
+    std::vector<float> values(n);
+    for (std::size_t i = 0; i < n; ++i) values[i] = value(0, i);
+    a.upload(encode(tf::dtype::fp32, values));
+    const std::size_t counts[1] = {n};
+    const tc::work_ptr w = comm->all_gather(a.data, b.data, counts, tf::dtype::fp32);
+    comm->stream_wait(w, waiter);
+    // Queued on the waiting stream behind the gather: its output, copied on.
+    ASSERT_EQ(cudaMemcpyAsync(c.data, b.data, n * 4, cudaMemcpyDeviceToDevice, waiter), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(waiter), cudaSuccess);
+    EXPECT_EQ(c.download(n * 4), encode(tf::dtype::fp32, values));
+    EXPECT_TRUE(w->done());
+    EXPECT_NO_THROW(comm->stream_wait(w, waiter));  // done: nothing left to wait for
+    EXPECT_THROW(comm->stream_wait(std::make_shared<tc::signalled_work>(), waiter), tf::user_error);
+    w->wait();
+  }
+  cudaStreamDestroy(waiter);
+}
+
 TEST(Nccl, CopyEngineModeRunsOnASymmetricWindowOrSaysWhyNot) {
   if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device here: NCCL runs on a GPU";
   const std::size_t n = 1 << 18;  // 1 MiB of fp32
@@ -454,6 +483,47 @@ void worker_silent_peer(const worker_job& job) {
   }
 }
 
+// Rank 1 joins and exits; rank 0's all_reduce, which only a stream waits
+// for (nobody waits on the host), must still fail within the timeout: the
+// watchdog aborts NCCL, the waiting stream goes on instead of hanging, and
+// the work and what follows fail.
+void worker_silent_peer_stream(const worker_job& job) {
+  check_cuda(cudaSetDevice(job.rank), "cudaSetDevice");
+  tc::nccl_options options;
+  options.rank = job.rank;
+  options.size = job.size;
+  options.device = job.rank;
+  options.store = std::make_shared<file_store>(job.dir);
+  options.timeout = 3s;
+  const auto comm = tc::make_nccl_communicator(options);
+  if (job.rank == 1) std::_Exit(0);
+  device_buffer buffer(4 << 20);
+  cudaStream_t waiter = nullptr;
+  check_cuda(cudaStreamCreateWithFlags(&waiter, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  const auto start = std::chrono::steady_clock::now();
+  const tc::work_ptr w = comm->all_reduce(buffer.data, 1 << 20, tf::dtype::fp32, tc::reduce_op::sum);
+  comm->stream_wait(w, waiter);
+  (void)cudaStreamSynchronize(waiter);  // hangs unless the watchdog ended the collective
+  (void)cudaGetLastError();
+  const auto took = std::chrono::steady_clock::now() - start;
+  require(took < 20s, "the stream waited " + std::to_string(std::chrono::duration<double>(took).count()) + " s");
+  require(w->done(), "the watchdog left the work unfinished");
+  try {
+    w->wait();
+    require(false, "the all_reduce with a dead peer succeeded");
+  } catch (const tf::error& e) {
+    const std::string what = e.what();
+    require(what.find("nccl communicator (rank 0 of 2") != std::string::npos && what.find("all_reduce") != std::string::npos,
+            "the error names neither the backend nor the collective: " + what);
+  }
+  try {
+    comm->stream_wait(comm->broadcast(buffer.data, 8, tf::dtype::fp32, 0), waiter);
+    require(false, "a stream wait after the break succeeded");
+  } catch (const tf::error&) {
+  }
+  cudaStreamDestroy(waiter);
+}
+
 // Rank 0 of 2 alone: its init must fail within the timeout.
 void worker_alone(const worker_job& job) {
   tc::nccl_options options;
@@ -487,6 +557,7 @@ bool run_worker_if_asked() {
   try {
     if (job.mode == "collectives") worker_collectives(job);
     else if (job.mode == "silent") worker_silent_peer(job);
+    else if (job.mode == "silent_stream") worker_silent_peer_stream(job);
     else if (job.mode == "alone") worker_alone(job);
     else throw std::runtime_error("unknown worker " + job.mode);
   } catch (const std::exception& e) {
@@ -569,6 +640,12 @@ TEST(NcclTwoRanks, UnevenAllGatherAndReduceScatterAreExact) {
 TEST(NcclTwoRanks, ASilentPeerFailsTheOthersCollectiveWithinTheTimeoutAndBreaksIt) {
   if (gpu_count() < 2) GTEST_SKIP() << "fewer than 2 CUDA devices here: two NCCL ranks need one each";
   const std::vector<outcome> out = run_workers("silent", 2);
+  EXPECT_EQ(out[0].status, 0) << (out[0].status == -1 ? "hung: killed after 120 s" : out[0].output);
+}
+
+TEST(NcclTwoRanks, ASilentPeerFailsACollectiveOnlyAStreamWaitsForWithinTheTimeout) {
+  if (gpu_count() < 2) GTEST_SKIP() << "fewer than 2 CUDA devices here: two NCCL ranks need one each";
+  const std::vector<outcome> out = run_workers("silent_stream", 2);
   EXPECT_EQ(out[0].status, 0) << (out[0].status == -1 ? "hung: killed after 120 s" : out[0].output);
 }
 

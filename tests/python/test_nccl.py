@@ -102,6 +102,75 @@ def test_the_device_communicator_orders_a_collective_after_torchs_stream():
 
 @needs_gpu
 @needs_nccl
+def test_a_device_works_wait_orders_torchs_stream_and_leaves_the_host_free():
+    import time
+
+    comm = _nccl_group.DeviceCommunicator(_nccl.NcclCommunicator(0, 1, torch.cuda.current_device(), timeout=30.0))
+    try:
+        x = torch.full((1 << 22,), 2.0, device="cuda")
+        out = torch.empty_like(x)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(comm.stream):
+            torch.cuda._sleep(300_000_000)  # the gather runs late: about 0.15 s or more
+        work = comm.all_gather(x, out, [x.numel()])
+        t0 = time.perf_counter()
+        work.wait()
+        waited = time.perf_counter() - t0
+        assert waited < 0.05 and not work.done  # the host went on; the GPU has not run it yet
+        doubled = out * 2  # queued on torch's stream behind the gather
+        assert torch.equal(doubled, torch.full_like(x, 4.0))
+        assert work.done
+        work.host_wait()
+        comm.check()
+    finally:
+        comm.close()
+
+
+_TIMED_OUT = """
+import sys, time, torch
+import tierflow
+from tierflow import _nccl, _nccl_group
+comm = _nccl_group.DeviceCommunicator(_nccl.NcclCommunicator(0, 1, torch.cuda.current_device(), timeout=1.0))
+x = torch.ones(1 << 20, device="cuda")
+out = torch.empty_like(x)
+torch.cuda.synchronize()
+with torch.cuda.stream(comm.stream):
+    torch.cuda._sleep(6_000_000_000)  # seconds: the gather behind it cannot end within its timeout
+work = comm.all_gather(x, out, [x.numel()])
+work.wait()  # only torch's stream waits
+time.sleep(2.0)
+print("done", work.done, flush=True)
+for what, call in (("host_wait", work.host_wait), ("check", comm.check),
+                   ("later", lambda: comm.all_gather(x, out, [x.numel()]).wait())):
+    try:
+        call()
+        print(what, "ok", flush=True)
+    except tierflow.TierflowError as e:
+        print(what, "raised", e, flush=True)
+torch.cuda.synchronize()  # the sleep ends; nothing hangs
+comm.close()
+print("closed", flush=True)
+"""
+
+
+@needs_gpu
+@needs_nccl
+def test_a_collective_only_a_stream_waits_for_still_fails_at_its_timeout():
+    # In a process of its own: NCCL is aborted under it.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _TIMED_OUT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "done True", done.stdout  # the watchdog settled it, nobody waiting on the host
+    for line in lines[1:4]:
+        assert " raised " in line and "all_gather failed: not done after the timeout of 1000 ms" in line, done.stdout
+    assert lines[4] == "closed", done.stdout
+
+
+@needs_gpu
+@needs_nccl
 def test_the_copy_engine_policy_is_taken_or_its_fallback_counted():
     comm = _nccl.NcclCommunicator(0, 1, torch.cuda.current_device(), timeout=30.0, policy="zero")
     try:
@@ -140,3 +209,94 @@ def test_the_engines_device_collectives_run_on_tierflows_nccl(tmp_path):
         result = json.loads((tmp_path / f"out.rank{r}").read_text())
         assert result["device_collectives"] and result["mismatches"] == [], result
         assert result["counts"]["tierflow"] == 3 * 3 and result["counts"]["torch"] == 0, result["counts"]
+
+
+class _StreamOrdered:
+    """A stand-in for a device collective's work (DeviceWork): wait() only
+    orders a stream, host_wait() blocks the host; each call logged."""
+
+    def __init__(self, log: list, name: str = "work", error: BaseException | None = None) -> None:
+        self.log, self.name, self.error, self.done = log, name, error, False
+
+    def wait(self) -> None:
+        self.log.append(f"{self.name}: stream")
+
+    def host_wait(self) -> None:
+        self.log.append(f"{self.name}: host")
+        self.done = True
+        if self.error is not None:
+            raise self.error
+
+
+def test_a_pending_device_collectives_wait_orders_a_stream_and_its_host_wait_blocks_too():
+    from tierflow.zero.comm import Chunks, Pending
+
+    log: list = []
+    out = torch.zeros(2)
+    p = Pending(_StreamOrdered(log), out, then=lambda o: log.append("then"), finally_=lambda: log.append("end"))
+    assert p.wait() is out
+    assert log == ["work: stream", "then", "end"]  # the host was not blocked
+    assert p.host_wait() is out
+    assert log == ["work: stream", "then", "end", "work: host"]
+
+    log.clear()  # host_wait alone: the stream's order, then the host
+    Pending(_StreamOrdered(log), out).host_wait()
+    assert log == ["work: stream", "work: host"]
+
+    log.clear()  # chunks: each one's stream wait, then each one's host wait; the first error raised
+    failed = TimeoutError("chunk 1: not done after the timeout")
+    chunks = Chunks([Pending(_StreamOrdered(log, "c0"), out), Pending(_StreamOrdered(log, "c1", failed), out),
+                     Pending(_StreamOrdered(log, "c2"), out)])
+    whole = Pending(chunks, out, finally_=lambda: log.append("end"))
+    whole.wait()
+    assert log == ["c0: stream", "c1: stream", "c2: stream", "end"]
+    with pytest.raises(TimeoutError, match="chunk 1"):
+        whole.host_wait()
+    assert log[4:] == ["c0: host", "c1: host", "c2: host"]
+
+    # A host collective's work has no host_wait: its wait blocks already, once.
+    class Blocking:
+        calls = 0
+
+        def wait(self) -> None:
+            Blocking.calls += 1
+    Pending(Blocking(), out).host_wait()
+    assert Blocking.calls == 2  # (its wait again: done, returns at once)
+
+
+def test_a_reduced_device_gradient_is_ready_only_once_its_reduction_ran_on_the_host():
+    from tierflow.zero.comm import Pending
+    from tierflow.zero.partition import _Downloaded
+
+    log: list = []
+
+    class Copied:
+        def synchronize(self) -> None:
+            log.append("copy")
+
+    reduced = Pending(_StreamOrdered(log), torch.zeros(2))
+    reduced.wait()  # as _own_gradient does, before the copy down is queued
+    _Downloaded(reduced, Copied()).synchronize()
+    assert log == ["work: stream", "work: host", "copy"]
+
+    log.clear()
+    gone = Pending(_StreamOrdered(log, error=RuntimeError("nccl communicator (rank 0 of 2): reduce_scatter failed")),
+                   torch.zeros(2))
+    gone.wait()
+    with pytest.raises(RuntimeError, match="reduce_scatter failed"):  # never the garbage it left
+        _Downloaded(gone, Copied()).synchronize()
+    assert "copy" not in log
+
+
+def test_the_torch_backends_work_waits_as_torchs_nccl_work_does():
+    from tierflow.torch.distributed import _Work
+
+    log: list = []
+    first, second = _StreamOrdered(log, "a"), _StreamOrdered(log, "b")
+    work = _Work([first, second], lambda: log.append("then"), [torch.zeros(1)])
+    assert not work.is_completed()
+    assert work.wait()
+    assert log == ["a: stream", "b: stream", "then"]
+    assert not work.is_completed()  # ordered, not yet run
+    work.host_wait()
+    assert log[3:] == ["a: host", "b: host"] and work.is_completed()

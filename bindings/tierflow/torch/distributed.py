@@ -5,8 +5,9 @@ Importing this module registers the ``torch.distributed`` backend
 host memory (float32, bfloat16 and float16 tensors on the CPU) and, where
 tierflow was built with NCCL and a GPU is present, NCCL for CUDA tensors of
 those dtypes (``tierflow._nccl``: one GPU a rank, the current device; each
-collective runs after torch's current stream, and its wait returns once it
-has run on the GPU)::
+collective runs after torch's current stream, and its wait, as with torch's
+NCCL backend, makes torch's current stream wait for it and lets the host go
+on)::
 
     import tierflow.torch.distributed  # registers the backend
     torch.distributed.init_process_group("tierflow")        # CPU tensors (and CUDA ones on NCCL)
@@ -32,6 +33,7 @@ beside whatever its process group is, through FSDP2's
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 from typing import Any, Callable, Sequence
@@ -81,12 +83,19 @@ _BACKEND_HINT = "; give this device another backend, e.g. \"cpu:tierflow,cuda:nc
 class _Work(dist.Work):
     """The completion of collectives on the communicator (their Works, in
     issue order), then ``then()`` — copies out, a division — once they are
-    done. ``result()`` is the tensors torch's API returns."""
+    done. ``result()`` is the tensors torch's API returns.
+
+    As torch's NCCL Work: ``wait()`` of CUDA collectives makes torch's
+    current stream wait for them (``then()``'s kernels queued behind them)
+    and lets the host go on; ``is_completed()`` says whether they have run
+    on the GPU; the future of :meth:`get_future` completes once they have,
+    ``then()``'s copies included."""
 
     def __init__(self, works: list, then: Callable[[], None] | None = None,
                  result: list[torch.Tensor] | None = None) -> None:
         super().__init__()
         self._works, self._then, self._result = works, then, result or []
+        self._issued = list(works)  # kept for is_completed() and host_wait()
         self._lock = threading.Lock()
         self._done = not works
         self._error: BaseException | None = None
@@ -115,8 +124,15 @@ class _Work(dist.Work):
         self._finish()
         return True
 
+    def host_wait(self) -> None:
+        """:meth:`wait`, then the host blocks until every collective has run
+        (raising a CUDA collective's error, seen only now)."""
+        self._finish()
+        for work in self._issued:
+            getattr(work, "host_wait", work.wait)()
+
     def is_completed(self) -> bool:
-        return self._done or all(work.done for work in self._works)
+        return all(work.done for work in self._issued)
 
     @property
     def done(self) -> bool:
@@ -142,10 +158,17 @@ class _Work(dist.Work):
         """A future completed with :meth:`result` (or its error) once the
         collectives are done, by a thread that waits for them."""
         future: torch.futures.Future = torch.futures.Future()
+        # The caller's stream, where then()'s copies run (as under wait()),
+        # waited for before the future completes.
+        cuda = next((t.device for t in self._result if t.is_cuda), None)
+        stream = torch.cuda.current_stream(cuda) if cuda is not None else None
 
         def complete() -> None:
             try:
-                self._finish()
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    self.host_wait()
+                if stream is not None:
+                    stream.synchronize()
             except BaseException as e:  # noqa: BLE001 - handed to the future
                 future.set_exception(e)
             else:

@@ -23,7 +23,11 @@ barriers a step needs (the gradient norm, an agreement on an error) are fp64
 and always ``torch.distributed``'s. tierflow's collectives are asynchronous:
 the engine issues a gather ahead of its use and reduce-scatters a gradient
 while the backward goes on; both complete in issue order, and every rank
-issues them in the same order.
+issues them in the same order. On a GPU a collective's wait orders torch's
+current stream after it and lets the host go on (as torch.distributed's NCCL
+Work's wait); whatever reads a result on the host waits for it there first
+(:meth:`Pending.host_wait`), so a collective that failed asynchronously
+raises there instead of handing over what it left.
 
 With no process group (or a group of one) every collective is the identity,
 and the engine runs exactly as a single process does. All ranks must call the
@@ -53,16 +57,27 @@ COLLECTIVES = ("tierflow", "torch")
 _made = itertools.count(1)
 
 
+def _host_wait(work: Any) -> None:
+    """Blocks until ``work`` has run: a device collective's ``host_wait``,
+    any other's ``wait`` (which blocks already)."""
+    getattr(work, "host_wait", work.wait)()
+
+
 class Pending:
-    """A collective issued and not yet waited for: :meth:`wait` (or
-    ``synchronize()``, the name a CUDA event's wait has, so a gradient's
-    readiness can be either) blocks until it is done, raises its error, and
-    returns its output. ``then(output)`` runs after a successful wait;
-    ``finally_()`` after every wait, failed or not (the end of what the
-    collective read from: a lease, say), once."""
+    """A collective issued and not yet waited for. :meth:`wait` makes its
+    output ready for what runs next — on the host (Gloo, torch.distributed's
+    gloo) it blocks until the collective is done; on a GPU torch's current
+    stream waits for it (the host goes on) — raises its error where it
+    failed, and returns the output. :meth:`host_wait` (or ``synchronize()``,
+    the name a CUDA event's wait has, so a gradient's readiness can be
+    either) blocks the host until it is done in both cases. ``then(output)``
+    runs after a successful wait (on a GPU, its kernels queued behind the
+    collective); ``finally_()`` after every wait, failed or not (the end of
+    what the collective read from: a lease, say), once."""
 
     def __init__(self, work: Any, out: torch.Tensor, then: Any = None, finally_: Any = None) -> None:
         self._work, self._out, self._then, self._finally = work, out, then, finally_
+        self._waited: Any = None  # the work once waited for: host_wait() may still block on it
 
     @property
     def done(self) -> bool:
@@ -82,6 +97,7 @@ class Pending:
         try:
             if self._work is not None:
                 work, self._work = self._work, None
+                self._waited = work
                 work.wait()
                 if self._then is not None:
                     self._then(self._out)
@@ -91,7 +107,15 @@ class Pending:
                 end()
         return self._out
 
-    synchronize = wait
+    def host_wait(self) -> torch.Tensor:
+        """:meth:`wait`, then the host blocks until the collective has run
+        (raising its error: a device collective's, seen only now, included)."""
+        out = self.wait()
+        if self._waited is not None:
+            _host_wait(self._waited)
+        return out
+
+    synchronize = host_wait
 
 
 class Chunks:
@@ -107,10 +131,16 @@ class Chunks:
         return all(p.done for p in self._pending)
 
     def wait(self) -> None:
+        self._each(Pending.wait)
+
+    def host_wait(self) -> None:
+        self._each(Pending.host_wait)
+
+    def _each(self, wait: Any) -> None:
         error = None
         for p in self._pending:
             try:
-                p.wait()
+                wait(p)
             except BaseException as e:  # noqa: BLE001 - every one waited for, the first error raised
                 error = error or e
         if error is not None:
@@ -197,6 +227,14 @@ class Group:
             if comm is not None:
                 comm.close()
 
+    def check(self) -> None:
+        """Blocks until tierflow's device collectives issued so far have run,
+        raising the error of one that failed asynchronously (their waits only
+        order torch's stream after them). Host collectives need none: each
+        is waited for on the host as it is used."""
+        if self._device_comm is not None:
+            self._device_comm.check()
+
     def _run(self, op: Any, tensor: torch.Tensor, *others: torch.Tensor) -> None:
         """``op(tensor, *others)`` on torch.distributed's backend's device:
         ``tensor`` (the output) gets the result in place."""
@@ -241,7 +279,7 @@ class Group:
             out.copy_(shard)
             return out
         self.slot(out).copy_(shard)
-        return self.gather_in_place(out).wait()
+        return self.gather_in_place(out).host_wait()
 
     def gather_in_place(self, full: torch.Tensor, *, after: Any = None, finally_: Any = None) -> Pending:
         """Starts gathering into ``full`` (1-D, ``world_size`` equal shards)
@@ -343,7 +381,7 @@ class Group:
             staged = tensor if tensor.is_contiguous() else tensor.contiguous()
             comm = self._ours(staged)
             if comm is not None:
-                comm.broadcast(staged.view(-1), src).wait()
+                _host_wait(comm.broadcast(staged.view(-1), src))
             else:
                 self._run(lambda x: self._dist.broadcast(x, src=src, group=self.process_group), staged)
             if staged is not tensor:

@@ -900,7 +900,9 @@ class ParamStore:
             pending = self.group.reduce_scatter_mean(grad.detach().reshape(-1), part.shard_numel)
             if not pending.output.is_cuda:  # in host memory already: the add waits for the reduction
                 return pending.output, pending
-            grad = pending.wait()
+            # The copy down queued behind the reduction; the add waits for both.
+            host, copied = self._download(pending.wait())
+            return host, _Downloaded(pending, copied)
         return self._download(grad.detach())
 
     def _download(self, grad: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -1063,6 +1065,23 @@ class ParamStore:
         self.store = None
 
 
+class _Downloaded:
+    """A reduced device gradient's way to host memory: ``synchronize()``
+    waits on the host for the reduction — so one that failed asynchronously
+    (a peer gone, the timeout) raises here instead of its buffer being added —
+    then for the copy down (a CUDA event)."""
+
+    __slots__ = ("_reduced", "_copied")
+
+    def __init__(self, reduced: Pending, copied: Any) -> None:
+        self._reduced, self._copied = reduced, copied
+
+    def synchronize(self) -> None:
+        self._reduced.host_wait()
+        if self._copied is not None:
+            self._copied.synchronize()
+
+
 @dataclass
 class StepLease:
     """A parameter's host copy, leased for one optimizer step, and what makes
@@ -1074,7 +1093,7 @@ class StepLease:
     value: torch.Tensor
     grad: torch.Tensor                 # this micro-batch's gradient, in host memory once ``ready``
     into: torch.Tensor | None = None   # the block holding the earlier micro-batches' sum, if any
-    ready: Any = None                  # the event ending the gradient's copy from the device
+    ready: Any = None                  # what ends the gradient's copy from the device (synchronize())
 
     def gradient(self) -> torch.Tensor:
         """The final gradient, of the parameter's dtype (as _Stepping gives
@@ -1100,7 +1119,7 @@ class GradLease:
     view: torch.Tensor     # this rank's fp32 gradient, in the block
     grad: torch.Tensor     # the gradient to add, in host memory once ``ready``
     fresh: bool            # the block held nothing: the add overwrites it
-    ready: Any = None      # the event ending the gradient's copy from the device
+    ready: Any = None      # what ends the gradient's copy from the device (synchronize())
 
     def add(self, norm: bool) -> tuple[float, bool]:
         """Waits for the gradient's copy and adds it into the block (the copy

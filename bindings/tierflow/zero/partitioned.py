@@ -159,8 +159,13 @@ class PartitionedRuntime:
                 self.params.begin_iteration()
             else:
                 self.finish()
-        elif not training:
-            self.params.release_all(keep_persistent=self.params.in_iteration)
+        else:
+            # What the forward gathered on a GPU was only waited for by its
+            # streams: the output is read next, so a gather that failed
+            # since raises now, not after its garbage went into a loss.
+            self.group.check()
+            if not training:
+                self.params.release_all(keep_persistent=self.params.in_iteration)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool, need_norm: bool) -> None:
         self._need_norm = need_norm

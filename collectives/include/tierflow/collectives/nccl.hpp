@@ -13,8 +13,13 @@
 //
 // Each collective is enqueued on the communicator's stream at once; its
 // `work` is a CUDA event recorded there after it: done() asks the event,
-// wait() polls the event and NCCL's asynchronous error up to the timeout
-// (counted from the call that issued it). A failure breaks the communicator
+// wait() blocks the host, polling the event and NCCL's asynchronous error
+// up to the timeout (counted from the call that issued it), and
+// stream_wait() makes another stream wait for the event on the GPU, the
+// host going on at once. A watchdog thread (watchdog.hpp) polls every
+// collective not yet seen finished the same way, whether anyone waits for
+// it or not, so a collective that only streams wait for fails at its
+// timeout too, instead of hanging them. A failure breaks the communicator
 // (see communicator.hpp): it is aborted, and every collective pending or
 // issued later fails with the first one's error, naming "nccl", the rank,
 // the collective and NCCL's words (ncclGetErrorString, ncclGetLastError).
@@ -83,6 +88,19 @@ class nccl_communicator : public communicator {
   // The policy NCCL was given: `zero` only where it was asked for and the
   // runtime's NCCL has it.
   cta_policy policy() const noexcept { return policy_; }
+
+  // Makes `stream` (on this communicator's device) wait on the GPU for `w`,
+  // a work of this communicator, without blocking the host: what is
+  // enqueued on `stream` after this call runs after the collective, as
+  // after torch.distributed's NCCL Work.wait(). Where `w` fails later (NCCL's
+  // error, or its timeout, seen by the watchdog), the communicator breaks
+  // and NCCL is aborted, which ends its kernels: `stream` then goes on
+  // behind a collective that did not complete, and the host learns of it
+  // from the next wait(), stream_wait() or collective — so whoever reads
+  // results on the host (a gradient stepped on, a checkpoint) wait()s
+  // first. Throws `w`'s error where it has already failed; user_error for a
+  // work of another communicator.
+  virtual void stream_wait(const work_ptr& w, CUstream_st* stream) = 0;
 
   // Registers `bytes` at `buffer` (device memory from nccl_memory, NCCL's
   // allocator: symmetric windows need its kind) as a symmetric window, for
