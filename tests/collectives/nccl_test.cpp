@@ -392,15 +392,21 @@ struct worker_job {
   int rank = 0, size = 0;
 };
 
-void worker_collectives(const worker_job& job) {
-  check_cuda(cudaSetDevice(job.rank), "cudaSetDevice");  // (the test's buffers on the rank's device)
+// Joins the job's group as its rank, on the GPU of its number (the test's
+// buffers are made there too), within `timeout`.
+std::unique_ptr<tc::nccl_communicator> join(const worker_job& job, std::chrono::milliseconds timeout) {
+  check_cuda(cudaSetDevice(job.rank), "cudaSetDevice");
   tc::nccl_options options;
   options.rank = job.rank;
   options.size = job.size;
   options.device = job.rank;
   options.store = std::make_shared<file_store>(job.dir);
-  options.timeout = 30s;
-  const auto comm = tc::make_nccl_communicator(options);
+  options.timeout = timeout;
+  return tc::make_nccl_communicator(options);
+}
+
+void worker_collectives(const worker_job& job) {
+  const auto comm = join(job, 30s);
   const std::vector<std::vector<std::size_t>> shapes = {{3, 5}, {4, 4}, {0, 6}};  // uneven, even, one empty
   for (const auto& counts : shapes) {
     std::size_t total = 0, offset = 0;
@@ -451,14 +457,7 @@ void worker_collectives(const worker_job& job) {
 // Rank 1 joins and exits; rank 0's all_reduce must fail within the
 // timeout, and break the communicator for what follows.
 void worker_silent_peer(const worker_job& job) {
-  check_cuda(cudaSetDevice(job.rank), "cudaSetDevice");  // (the test's buffers on the rank's device)
-  tc::nccl_options options;
-  options.rank = job.rank;
-  options.size = job.size;
-  options.device = job.rank;
-  options.store = std::make_shared<file_store>(job.dir);
-  options.timeout = 3s;
-  const auto comm = tc::make_nccl_communicator(options);
+  const auto comm = join(job, 3s);
   if (job.rank == 1) std::_Exit(0);  // (no goodbye: as a crash)
   device_buffer buffer(4 << 20);
   const auto start = std::chrono::steady_clock::now();
@@ -488,14 +487,7 @@ void worker_silent_peer(const worker_job& job) {
 // watchdog aborts NCCL, the waiting stream goes on instead of hanging, and
 // the work and what follows fail.
 void worker_silent_peer_stream(const worker_job& job) {
-  check_cuda(cudaSetDevice(job.rank), "cudaSetDevice");
-  tc::nccl_options options;
-  options.rank = job.rank;
-  options.size = job.size;
-  options.device = job.rank;
-  options.store = std::make_shared<file_store>(job.dir);
-  options.timeout = 3s;
-  const auto comm = tc::make_nccl_communicator(options);
+  const auto comm = join(job, 3s);
   if (job.rank == 1) std::_Exit(0);
   device_buffer buffer(4 << 20);
   cudaStream_t waiter = nullptr;
