@@ -509,7 +509,11 @@ def test_two_processes_over_gloo_train_as_one(tmp_path, monkeypatch, clip):
     without (each parameter stepped during the backward). Measured: losses
     within 1.2e-7 (relative) and parameters within 5e-7 after 10 steps, both
     ways: the mean of two half-batch gradients is the whole batch's up to
-    fp32 rounding. Bounded at 1e-5 and 1e-5."""
+    fp32 rounding. On an AVX2-only CPU (torch's fp32 GEMMs sum in another
+    order there) one element of 8100 reached 1.5e-5 with clipping: Adam
+    divides each gradient by its own RMS, so an element whose gradient stays
+    near zero carries that rounding into its update at the learning rate's
+    scale. Bounded at 1e-5 (losses) and 5e-5 (parameters)."""
     sys.path.insert(0, os.path.dirname(__file__))
     import zero_dp_worker as worker
 
@@ -520,7 +524,7 @@ def test_two_processes_over_gloo_train_as_one(tmp_path, monkeypatch, clip):
     torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
     for name, value in one["state"].items():  # state_dict gathers the whole parameter on every rank
         assert ranks[0]["state"][name] == ranks[1]["state"][name]
-        torch.testing.assert_close(torch.tensor(ranks[0]["state"][name]), torch.tensor(value), rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(ranks[0]["state"][name]), torch.tensor(value), rtol=0, atol=5e-5)
     assert one["losses"][-1] < one["losses"][0] - 0.1, "the model did not learn"
     # Built under zero.Init, straight into each rank's shards: the same model.
     torch.testing.assert_close(torch.tensor(ranks[0]["built_in_store"]), torch.tensor(one["losses"][:4]),
