@@ -12,14 +12,21 @@ shard of each homed on NVMe, through ``--host-memory`` bytes of host memory
 shard from NVMe again. The NVMe engine's ``--queue-depth`` (DeepSpeed's aio
 default, 8) is the device's: the ranks sharing it split it. The stages, each
 with a store of its own (the read alone's and the all-gather alone's shared),
-take turns: a round times one iteration of each on every rank, each round
-starting one stage later than the last (so every stage follows each of the
-others equally often: use a multiple of five ``--iterations``), and each
-stage's figure is the median, over the rounds after one that records the
-order, of the slowest rank's. So a disk whose speed drifts over the run (a
-virtual disk's bursts) drifts for all of them alike. A store's iteration ends
-once it has no transfer in flight (the reads its end starts for the next
-iteration included), so no stage's work runs in another's time:
+take turns in a balanced order: after one run of each (which records the
+fetch order, and is not kept), every stage follows each of the others
+equally often (a circuit through every ordered pair of stages), so neither
+a stage that leaves the machine slower for the next one nor a disk whose
+speed drifts over the run (a virtual disk's bursts) favours any of them.
+tierflow's stages take turns first; then torch.distributed's pipeline takes
+turns with the read alone, in a phase of its own: among tierflow's stages it
+slowed tierflow's pipeline in most runs, by up to 45%, for the rest of the
+run and whatever ran just before (run apart, the same pipeline is as fast
+as with no peer at all), and the read alone beside it shows how fast the disk was by then.
+Each stage's figure is the median, over its runs, of the slowest rank's.
+``--iterations`` (runs of each stage) is rounded up to a whole number of
+circuits: a multiple of one less than the number of stages. A store's
+iteration ends once it has no transfer in flight (the reads its end starts
+for the next iteration included), so no stage's work runs in another's time:
 
 * **NVMe read alone**: each shard leased into host memory and released, in
   order, through the store's prefetch scheduler (what the pipeline reads, as
@@ -31,10 +38,11 @@ iteration included), so no stage's work runs in another's time:
   its shard read from NVMe straight into its slot of the gather buffer,
   gathered in place once the read is done, the next ones ahead; a shard
   larger than ``--gather-chunk`` (``tierflow.gather_chunk``, default 16 MiB)
-  read and gathered a chunk at a time. With tierflow's communicator; the
-  same with parameters gathered whole (``gather_chunk`` 0); and with
-  torch.distributed's gloo group running the pipeline's collectives (whole:
-  it has no gather into strided places).
+  read and gathered a chunk at a time. With tierflow's communicator; where
+  the shards are larger than a chunk, the same with parameters gathered
+  whole (``gather_chunk`` 0); and with torch.distributed's gloo group
+  running the pipeline's collectives (whole: it has no gather into strided
+  places).
 
 Bandwidths are the gathered parameters' bytes per second. Rank 0 prints
 them and the pipeline's over the lesser of the two stages alone (the target
@@ -51,11 +59,11 @@ import json
 import os
 import statistics
 import sys
+import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
-import time
 
 
 def build(args, collectives: str, chunk: int | None = None):
@@ -95,11 +103,15 @@ def build(args, collectives: str, chunk: int | None = None):
 
 def read_alone(store, parts):
     """One iteration of the read alone: each shard leased into host memory
-    and released, in order, through the store's prefetch scheduler."""
+    and released, in order, through the store's prefetch scheduler, and its
+    host copy dropped, so that it is read from NVMe again the next time, as
+    the pipeline reads every shard (with few parameters the host memory
+    would hold them all)."""
     def one():
         store.begin_iteration()
         for part in parts:
             store._unlease(store._lease(part.block, "host", "read"), dirty=False)
+            store.store.evict(part.block, "host")
         store.end_iteration()
         store.flush()  # its prefetches for the next iteration: in its own time, not the next stage's
     return one
@@ -143,23 +155,50 @@ def each_rank_seconds(work) -> list[float]:
     return [t.item() for t in every]
 
 
-def rounds(args, stages: dict) -> dict[str, list[list[float]]]:
-    """Each stage's iteration timed on every rank in turn, round after round:
-    a disk or machine that speeds up or slows down over the run does so for
-    every stage alike. Each round starts one stage later than the last, so
-    every stage follows each of the others equally often (here the stage
-    after a burst of CPU runs slower, whichever it is). The first round,
-    which records the order, is not kept. Per stage, a list of rounds, each
-    the ranks' seconds."""
-    times: dict[str, list[list[float]]] = {name: [] for name in stages}
+def balanced_order(count: int, circuits: int) -> list[int]:
+    """The order ``count`` stages run in: each once first (those runs are not
+    kept), then ``circuits`` times a circuit through every ordered pair of
+    distinct stages (an Eulerian circuit of the complete directed graph on
+    them), the first runs ending where the circuit does. So each stage runs
+    ``circuits * (count - 1)`` kept times, and each kept run follows each
+    other stage exactly ``circuits`` times and never itself."""
+    if count < 2:
+        raise ValueError(f"balanced_order: at least 2 stages take turns, not {count}")
+    remaining = {v: [u for u in range(count) if u != v] for v in range(count)}
+    stack, circuit = [0], []
+    while stack:  # Hierholzer's: walk unused edges, splice in the detours on the way back
+        if remaining[stack[-1]]:
+            stack.append(remaining[stack[-1]].pop())
+        else:
+            circuit.append(stack.pop())
+    circuit = circuit[::-1][:-1]  # 0, ..., the last before returning to 0
+    first = [v for v in range(count) if v != circuit[-1]] + [circuit[-1]]
+    return first + circuit * circuits
+
+
+def runs(args, stages: dict, kept_from: Any = None) -> dict[str, list[tuple[str, list[float]]]]:
+    """Each stage's iteration timed on every rank, in :func:`balanced_order`:
+    per stage, its kept runs, each as (the stage that ran before it, the
+    ranks' seconds). ``kept_from()``, if given, is called once the first
+    runs (not kept) are done."""
     names = list(stages)
-    for round_ in range(1 + args.iterations):
-        turn = round_ % len(names)
-        for name in names[turn:] + names[:turn]:
-            seconds = each_rank_seconds(stages[name])
-            if round_:
-                times[name].append(seconds)
+    order = balanced_order(len(names), circuits(args, len(names)))
+    times: dict[str, list[tuple[str, list[float]]]] = {name: [] for name in names}
+    before = None
+    for i, stage in enumerate(order):
+        if i == len(names) and kept_from is not None:
+            kept_from()
+        seconds = each_rank_seconds(stages[names[stage]])
+        if i >= len(names):
+            times[names[stage]].append((names[before], seconds))
+        before = stage
     return times
+
+
+def circuits(args, stages: int) -> int:
+    """How many circuits of :func:`balanced_order` give each stage at least
+    ``--iterations`` runs."""
+    return -(-args.iterations // (stages - 1))
 
 
 def main(argv=None) -> int:
@@ -168,7 +207,7 @@ def main(argv=None) -> int:
     p.add_argument("--params", type=int, default=16)
     p.add_argument("--numel", type=int, default=4 << 20)
     p.add_argument("--host-memory", type=int)
-    p.add_argument("--iterations", type=int, default=10)
+    p.add_argument("--iterations", type=int, default=12)
     p.add_argument("--queue-depth", type=int, default=8)
     p.add_argument("--gather-chunk", type=int, default=16 << 20)
     p.add_argument("--json")
@@ -176,6 +215,8 @@ def main(argv=None) -> int:
     for name in ("params", "numel", "iterations", "queue_depth"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: {getattr(args, name)} is not positive")
+    if args.gather_chunk < 0:
+        p.error(f"--gather-chunk: {args.gather_chunk} is negative (0: parameters gathered whole)")
     if not os.path.isdir(args.nvme_dir):
         p.error(f"--nvme-dir: {args.nvme_dir} is not a directory")
     dist.init_process_group("gloo")
@@ -185,27 +226,36 @@ def main(argv=None) -> int:
 
     from tierflow.zero.plan import links_of
 
+    # Whether the pipeline gathers its shards a chunk at a time: if not, the
+    # same with parameters gathered whole would time the same path twice.
+    shard_bytes = -(-args.numel // world) * 2
+    chunked = 0 < args.gather_chunk < shard_bytes
     # A store for each stage that runs a store's iteration: the schedule one
     # records is its own (the read alone's would prefetch host copies the
     # pipeline never asks for).
-    built = {name: build(args, collectives, chunk) for name, collectives, chunk in
-             (("read", "tierflow", None), ("pipeline", "tierflow", None), ("pipeline_whole", "tierflow", 0),
-              ("pipeline_torch", "torch", None))}
+    made = [("read", "tierflow", None), ("pipeline", "tierflow", None)]
+    made += [("pipeline_whole", "tierflow", 0)] if chunked else []
+    made += [("pipeline_torch", "torch", None)]
+    built = {name: build(args, collectives, chunk) for name, collectives, chunk in made}
     host = built["read"][2]
     read_bytes = {name: (lambda store=store: links_of(store.telemetry()).get("nvme->host", 0))
                   for name, (store, _, _) in built.items()}
+    read = read_alone(*built["read"][:2])
+    stages = {"read": read, "gather": gather_alone(*built["read"][:2])}  # tierflow's phase
+    stages.update((name, pipeline(*built[name][:2])) for name, _, _ in made[1:-1])
     try:
-        before = {name: f() for name, f in read_bytes.items()}
-        times = rounds(args, {
-            "read": read_alone(*built["read"][:2]),
-            "gather": gather_alone(*built["read"][:2]),
-            "pipeline": pipeline(*built["pipeline"][:2]),
-            "pipeline_whole": pipeline(*built["pipeline_whole"][:2]),
-            "pipeline_torch": pipeline(*built["pipeline_torch"][:2]),
-        })
-        read_per = (read_bytes["read"]() - before["read"]) / (1 + args.iterations)
-        pipeline_per = (read_bytes["pipeline"]() - before["pipeline"]) / (1 + args.iterations)
+        before = {}  # what each store had read when the kept runs began
+        times = runs(args, stages, kept_from=lambda: before.update((k, f()) for k, f in read_bytes.items()))
+        iterations = len(times["read"])  # each store's kept ones
+        read_per = (read_bytes["read"]() - before["read"]) / iterations
+        pipeline_per = (read_bytes["pipeline"]() - before["pipeline"]) / iterations
         ours = built["pipeline"][0]
+        chunks_per = ours.gather_chunks / (1 + iterations) / args.params
+        # torch.distributed's pipeline in a phase of its own, beside the read
+        # alone again: taking turns with tierflow's stages, it slows their
+        # pipeline for the rest of the run, whatever ran just before.
+        peer = runs(args, {"read_beside_torch": read, "pipeline_torch": pipeline(*built["pipeline_torch"][:2])})
+        times.update(peer)
         ahead, dropped, direct = ours.gathered_ahead, ours.gathers_dropped, ours.shards_read_into_slots
         depth = ours.store.io_config()["queue_depth"]
     finally:
@@ -214,36 +264,54 @@ def main(argv=None) -> int:
 
     if rank == 0:
         mib = 1 << 20
-        med = {k: statistics.median(max(r) for r in v) for k, v in times.items()}  # the slowest rank's
+        slowest = {k: [max(seconds) for _, seconds in v] for k, v in times.items()}  # the slowest rank's
+        med = {k: statistics.median(v) for k, v in slowest.items()}
         # How evenly the ranks reading at once share the device: the fastest
         # rank's time over the slowest's, in the read alone (1: evenly).
-        fairness = statistics.median(min(r) / max(r) for r in times["read"])
-        each_read = ", ".join(f"{statistics.median(r[i] for r in times['read']) * 1e3:.1f}" for i in range(world))
+        fairness = statistics.median(min(r) / max(r) for _, r in times["read"])
+        each_read = ", ".join(f"{statistics.median(r[i] for _, r in times['read']) * 1e3:.1f}" for i in range(world))
+        # The pipeline after each other stage: what one leaves behind for the next.
+        after = {other: statistics.median(max(r) for b, r in times["pipeline"] if b == other)
+                 for other in stages if other != "pipeline"}
         bw = {k: gathered / v for k, v in med.items()}
         bound = min(bw["read"], bw["gather"])
         ratio = bw["pipeline"] / bound
+        runs_each = len(times["read"])
         print(f"{args.params} bf16 parameters of {args.numel} elements over {world} gloo ranks "
               f"({gathered / mib:.0f} MiB gathered an iteration, {gathered / world / mib:.0f} MiB of shards a rank "
               f"on NVMe, through {host / mib:.0f} MiB of host memory, a queue depth of {depth} of the device's "
-              f"{args.queue_depth} a rank); median of {args.iterations}")
+              f"{args.queue_depth} a rank); median of {runs_each} runs of each stage, each stage after each "
+              f"other of its phase {runs_each // (len(stages) - 1)} times")
+        if chunked:
+            print(f"each {shard_bytes / mib:g} MiB shard read and gathered in {chunks_per:g} chunks "
+                  f"(--gather-chunk {args.gather_chunk / mib:g} MiB)")
+        else:
+            print(f"each {shard_bytes / mib:g} MiB shard read and gathered whole "
+                  f"(--gather-chunk {args.gather_chunk / mib:g} MiB{', no larger' if args.gather_chunk else ''})")
         rows = (("NVMe read alone", "read"), ("all-gather alone (tierflow's Gloo)", "gather"),
                 ("pipeline on tierflow's Gloo", "pipeline"),
                 ("  the same, parameters gathered whole", "pipeline_whole"),
-                ("pipeline on torch.distributed's gloo", "pipeline_torch"))
+                ("pipeline on torch.distributed's gloo", "pipeline_torch"),
+                ("  NVMe read alone, in torch's phase", "read_beside_torch"))
         for label, key in rows:
-            print(f"  {label:<38}{med[key] * 1e3:9.1f} ms  {bw[key] / mib:8.1f} MiB/s")
+            if key in med:
+                print(f"  {label:<38}{med[key] * 1e3:9.1f} ms  {bw[key] / mib:8.1f} MiB/s")
         print(f"pipeline over min(read, all-gather): {ratio:.2f} "
               f"({'meets' if ratio >= 0.8 else 'misses'} the target ≥ 0.8); "
-              f"over torch.distributed's: {med['pipeline_torch'] / med['pipeline']:.2f}× faster; "
-              f"{ahead} gathers issued ahead, {dropped} dropped, {direct} shards read straight into their slot; read from NVMe a rank per iteration: "
-              f"{read_per / mib:.0f} MiB alone, {pipeline_per / mib:.0f} MiB in the pipeline; the ranks' read alone "
-              f"took {each_read} ms "
+              f"over torch.distributed's: {med['pipeline_torch'] / med['pipeline']:.2f}× faster")
+        print("the pipeline after each other stage: "
+              + ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in after.items()) + " ms")
+        print(f"{ahead} gathers issued ahead, {dropped} dropped, {direct} shards read straight into their slot; "
+              f"read from NVMe a rank per iteration: {read_per / mib:.0f} MiB alone, {pipeline_per / mib:.0f} MiB "
+              f"in the pipeline; the ranks' read alone took {each_read} ms "
               f"(fairness, fastest over slowest: {fairness:.2f})")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world": world, "params": args.params, "numel": args.numel, "host_memory": host,
-                           "seconds": times,
+                           "gather_chunk": args.gather_chunk, "chunks_per_shard": chunks_per,
+                           "runs": {k: [{"after": b, "seconds": r} for b, r in v] for k, v in times.items()},
                            "median_bytes_per_second": bw, "pipeline_over_bound": ratio, "read_fairness": fairness,
+                           "pipeline_seconds_after": after,
                            "queue_depth": {"device": args.queue_depth, "rank": depth},
                            "gathered_ahead": ahead, "ahead_dropped": dropped, "shards_read_into_slots": direct,
                            "nvme_read_bytes_per_iteration": {"read": read_per, "pipeline": pipeline_per}}, f, indent=1)
