@@ -31,7 +31,7 @@ import torch
 
 from tierflow import _gloo
 
-__all__ = ["available", "moves", "connect", "DeviceCommunicator", "DeviceWork"]
+__all__ = ["available", "moves", "connect", "host_wait", "DeviceCommunicator", "DeviceWork"]
 
 
 @functools.cache
@@ -49,6 +49,12 @@ def moves(tensor: torch.Tensor) -> bool:
     """Whether an NCCL communicator moves ``tensor``: a contiguous CUDA
     tensor of a dtype tierflow's collectives take."""
     return tensor.device.type == "cuda" and tensor.dtype in _gloo.DTYPES and tensor.is_contiguous()
+
+
+def host_wait(work: Any) -> None:
+    """Blocks until ``work`` has run: a :class:`DeviceWork`'s ``host_wait()``,
+    any other Work's ``wait()`` (a host collective's, which blocks already)."""
+    getattr(work, "host_wait", work.wait)()
 
 
 class DeviceWork:

@@ -25,9 +25,9 @@
 #include <utility>
 #include <vector>
 
+#include "tierflow/collectives/watchdog.hpp"
 #include "tierflow/core/cuda_error.hpp"
 #include "tierflow/core/cuda_handles.hpp"
-#include "tierflow/collectives/watchdog.hpp"
 #include "tierflow/core/error.hpp"
 
 // Windows (ncclCommWindowRegister) and CTA policies came with NCCL 2.27; the

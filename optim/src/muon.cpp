@@ -60,6 +60,9 @@ void round_all_to_bf16(float* p, std::size_t n) {
 // where oneDNN runs bf16 GEMMs here; fp32 (rounded to bf16) otherwise.
 dtype storage_of(dtype gemm) { return gemm == dtype::bf16 && bf16_gemms_native() ? dtype::bf16 : dtype::fp32; }
 
+// Whether bf16 mode runs on fp32 GEMMs here, rounding their operands to bf16.
+bool rounds_to_bf16(dtype gemm) { return gemm == dtype::bf16 && storage_of(gemm) == dtype::fp32; }
+
 // One block row of a symmetric product P = S Sᵀ (m × m): rows [row0,
 // row0 + rows) and only the columns [row0, m) — the upper triangle and its
 // diagonal block. The lower triangle is mirrored afterwards.
@@ -194,7 +197,7 @@ struct muon_optimizer::workspace {
   // against).
   void iteration(const muon_options& o, const ns_plan& p, std::size_t m, std::size_t n, int cur, bool combine_too) {
     const dtype gemm = storage_of(o.gemm_dtype);
-    const bool rounds = combine_too && o.gemm_dtype == dtype::bf16 && gemm == dtype::fp32;
+    const bool rounds = combine_too && rounds_to_bf16(o.gemm_dtype);
     const std::size_t elem = gemm == dtype::bf16 ? 2 : 4;
     auto* x = static_cast<std::byte*>(x_buffer(cur, gemm));
     auto* a = gemm == dtype::bf16 ? reinterpret_cast<std::byte*>(a16.data()) : reinterpret_cast<std::byte*>(a32.data());
@@ -360,7 +363,6 @@ void muon_optimizer::orthogonalize_into(executor& ex, const float* in, std::size
   const muon_options& o = options_;
   const omp_team team(ex);
   const dtype gemm = storage_of(o.gemm_dtype);
-  const bool rounds = o.gemm_dtype == dtype::bf16 && gemm == dtype::fp32;
   ws.reserve(rows, cols, gemm);
   const bool tall = rows > cols;
   const std::size_t m = tall ? cols : rows, n = tall ? rows : cols;
@@ -405,7 +407,8 @@ void muon_optimizer::orthogonalize_into(executor& ex, const float* in, std::size
     const int cur = ws.iterate(o, m, n);
     store(ws.x16[cur].data(), [](std::uint16_t v) { return bf16_to_float(v); });
   } else {
-    load(ws.x32[0].data(), [rounds](float v) { return rounds ? round_to_bf16(v) : v; });
+    if (rounds_to_bf16(o.gemm_dtype)) load(ws.x32[0].data(), [](float v) { return round_to_bf16(v); });  // (the bf16 GEMM's operand)
+    else load(ws.x32[0].data(), [](float v) { return v; });
     const int cur = ws.iterate(o, m, n);
     store(ws.x32[cur].data(), [](float v) { return v; });
   }

@@ -129,7 +129,7 @@ class _Work(dist.Work):
         (raising a CUDA collective's error, seen only now)."""
         self._finish()
         for work in self._issued:
-            getattr(work, "host_wait", work.wait)()
+            _nccl_group.host_wait(work)
 
     def is_completed(self) -> bool:
         return all(work.done for work in self._issued)

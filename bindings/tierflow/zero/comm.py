@@ -57,12 +57,6 @@ COLLECTIVES = ("tierflow", "torch")
 _made = itertools.count(1)
 
 
-def _host_wait(work: Any) -> None:
-    """Blocks until ``work`` has run: a device collective's ``host_wait``,
-    any other's ``wait`` (which blocks already)."""
-    getattr(work, "host_wait", work.wait)()
-
-
 class Pending:
     """A collective issued and not yet waited for. :meth:`wait` makes its
     output ready for what runs next — on the host (Gloo, torch.distributed's
@@ -112,7 +106,7 @@ class Pending:
         (raising its error: a device collective's, seen only now, included)."""
         out = self.wait()
         if self._waited is not None:
-            _host_wait(self._waited)
+            _nccl_group.host_wait(self._waited)
         return out
 
     synchronize = host_wait
@@ -381,7 +375,7 @@ class Group:
             staged = tensor if tensor.is_contiguous() else tensor.contiguous()
             comm = self._ours(staged)
             if comm is not None:
-                _host_wait(comm.broadcast(staged.view(-1), src))
+                _nccl_group.host_wait(comm.broadcast(staged.view(-1), src))
             else:
                 self._run(lambda x: self._dist.broadcast(x, src=src, group=self.process_group), staged)
             if staged is not tensor:
